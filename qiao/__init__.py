@@ -1,0 +1,1 @@
+from qiao.version import __version__

@@ -1,0 +1,17 @@
+"""Exceptions qiao raises to its users.
+
+Every error names what to fix: the field, the file, or the limit. The API layer maps these to
+HTTP status codes; nothing here carries a traceback to a client.
+"""
+
+
+class QiaoError(Exception):
+    """Base class of every error qiao raises on purpose."""
+
+
+class ConfigError(QiaoError, ValueError):
+    """A setting or a request field is invalid. The message names the field."""
+
+
+class ModelLoadError(QiaoError):
+    """A checkpoint cannot be loaded (missing file, unsupported format or architecture)."""
