@@ -1,0 +1,166 @@
+"""The `qiao` command line. Each subcommand documents its flags in `--help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from qiao.errors import QiaoError
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype (auto: the checkpoint's; default %(default)s)",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights of the right shapes, no checkpoint needed",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the checkpoint's)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="KV cache size: bytes (> 1) or a share of device memory (<= 1)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument(
+        "--max-tokens", type=int, default=64, help="new tokens per sample (default %(default)s)"
+    )
+    g.add_argument(
+        "--min-tokens", type=int, default=0, help="tokens before EOS/stop ids may end a sample"
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the top prob"
+    )
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="HF-style, > 1 discourages repeats"
+    )
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI-style, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI-style, in [-2, 2]")
+    g.add_argument(
+        "--seed", type=int, default=None, help="per-request seed for reproducible sampling"
+    )
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        default=[],
+        help="stop token id (repeatable)",
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="return the top-k logprobs per token")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from qiao import LLM, SamplingParams
+
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+    )
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for output in outputs:
+        for sample in output.outputs:
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "prompt": output.prompt,
+                            "index": sample.index,
+                            "text": sample.text,
+                            "token_ids": sample.token_ids,
+                            "finish_reason": sample.finish_reason,
+                        }
+                    )
+                )
+            else:
+                print(f"{output.prompt}{sample.text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qiao", description="qiao: LLM inference engine and server"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate text offline from prompts",
+        description="Generate continuations for prompts (flags or one per stdin line).",
+    )
+    gen.add_argument(
+        "--prompt", action="append", default=[], help="a prompt (repeatable); else stdin lines"
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    _add_engine_flags(gen)
+    _add_sampling_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except QiaoError as exc:
+        print(f"qiao: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

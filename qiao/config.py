@@ -1,0 +1,114 @@
+"""Internal engine configuration: frozen dataclasses composed into one `EngineConfig`.
+
+Each part validates itself once in `__post_init__`; errors name the field. The edges (the offline
+`LLM(...)` keyword arguments, the CLI) build these; nothing below the engine reads settings from
+anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qiao.errors import ConfigError
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+# CPU default for the KV cache when no budget is given: this share of RAM, capped below.
+DEFAULT_CPU_KV_FRACTION = 0.10
+DEFAULT_CPU_KV_CAP_BYTES = 4 << 30
+DEFAULT_GPU_KV_FRACTION = 0.80
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint, in which dtype, up to which context length."""
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    tokenizer: str | None = None  # None: the model directory
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "must name a checkpoint directory")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.load_format in LOAD_FORMATS,
+            "load_format",
+            f"must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.model).expanduser()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: one fixed pool of `block_size`-token blocks.
+
+    Pool size, first match wins: `num_kv_blocks`; `kv_cache_memory` in bytes (> 1) or as a share
+    of device memory (0 < x <= 1); the platform default (CPU: 10 % of RAM capped at 4 GiB).
+    """
+
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"
+        )
+        if self.kv_cache_memory is not None:
+            _require(
+                self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 (bytes, or a share <= 1)"
+            )
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(
+            self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, composed once and validated across parts."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+
+    def __post_init__(self) -> None:
+        if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
+            _require(
+                self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({self.model.max_model_len}) without chunked prefill",
+            )
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {message}")

@@ -1,0 +1,185 @@
+"""The paged KV cache's bookkeeping: one fixed pool of blocks, reference counted, prefix cached.
+
+The block manager is the scheduler's only door to memory. It never touches tensors: a block is an
+id into the runner's cache tensors. Invariants (checked by `check_invariants` in tests):
+
+- every block is either referenced (ref_cnt > 0, owned by >= 1 request) or in the free queue;
+- a block's ref_cnt equals the number of requests whose block table holds it;
+- the prefix-cache map points only at blocks whose `block_hash` is that key.
+
+Prefix caching: a full block is named by a chained hash of its tokens and its parent block's
+hash, so equal hashes mean equal whole prefixes. Freed blocks keep their hash and stay in the free
+queue in LRU order; a later request with the same prefix takes them back instead of recomputing,
+and allocation evicts from the least recently freed end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from qiao.engine.request import Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: equal hashes mean equal prefixes up to this block."""
+    h = hashlib.sha256(parent_hash or b"qiao")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first. Cached ones keep their hash here.
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached: dict[bytes, KVBlock] = {}
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request were already offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens, for metrics.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a waiting request: (blocks, tokens they cover).
+
+        At least one token is always left to compute, since the step must produce logits for the
+        last one. Takes no references; `allocate_slots` does.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` after the request's computed ones; False if it can't.
+
+        `computed_blocks` are prefix-cache hits for a request being admitted. On False nothing
+        changed. Blocks that become full in this step are registered in the prefix cache now: the
+        runner writes every K/V of a step before any attention reads, so a request admitted later
+        in the same step may already share them.
+        """
+        computed_blocks = computed_blocks or []
+        owned = self.req_to_blocks.get(request.request_id, [])
+        num_total = request.num_computed_tokens + num_new_tokens
+        num_required = self.blocks_needed(num_total) - len(owned) - len(computed_blocks)
+        # Hits sitting in the free queue stop being free once referenced.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_required > self.num_free_blocks - num_free_hits:
+            return False
+        for block in computed_blocks:
+            self._touch(block)
+        owned = self.req_to_blocks.setdefault(request.request_id, owned)
+        owned.extend(computed_blocks)
+        owned.extend(self._pop_free() for _ in range(max(num_required, 0)))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, owned, num_total)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; tail blocks first so they are evicted first."""
+        self.num_cached_blocks.pop(request.request_id, None)
+        for block in reversed(self.req_to_blocks.pop(request.request_id, [])):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is exact (used by tests)."""
+        refs = [0] * self.num_blocks
+        for owned in self.req_to_blocks.values():
+            for block in owned:
+                refs[block.block_id] += 1
+        for block in self.blocks:
+            assert block.ref_cnt == refs[block.block_id], f"block {block.block_id} ref_cnt"
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), "free queue"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, "cache map"
+
+    def _touch(self, block: KVBlock) -> None:
+        if block.ref_cnt == 0:
+            del self.free_queue[block.block_id]
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> KVBlock:
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
+    def _cache_full_blocks(self, request: Request, owned: list[KVBlock], num_tokens: int) -> None:
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+        for i in range(start, num_full):
+            block = owned[i]
+            if block.block_hash is not None:
+                continue
+            block_hash = request.block_hashes[i]
+            if block_hash in self.cached:
+                continue  # another block already holds this content; this one stays private
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + bs]))

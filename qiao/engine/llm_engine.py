@@ -1,0 +1,185 @@
+"""The engine: requests in, outputs out, one `step()` at a time.
+
+`LLM.generate()` (offline) and the server's async loop (online) both drive this same `step()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+from typing import Any
+
+from qiao.config import EngineConfig
+from qiao.engine.block_manager import BlockManager
+from qiao.engine.output_processor import OutputProcessor
+from qiao.engine.request import Request, RequestStatus
+from qiao.engine.scheduler import Scheduler
+from qiao.errors import ConfigError
+from qiao.hal.platform import default_device, resolve_dtype
+from qiao.models.arch_config import load_arch_config
+from qiao.outputs import RequestOutput
+from qiao.runner.model_runner import ModelRunner
+from qiao.sampling_params import SamplingParams
+from qiao.step import ModelRunnerOutput
+from qiao.tokenizer import load_eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        is_dummy = mc.load_format == "dummy"
+        self.arch = load_arch_config(mc.path)
+        self.max_model_len = min(
+            mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+        )
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer or mc.path)
+        self.eos_token_ids = load_eos_token_ids(mc.path, self.arch.eos_token_ids, self.tokenizer)
+        import torch
+
+        device = default_device() if config.device == "auto" else torch.device(config.device)
+        dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype)
+        self.runner = ModelRunner(
+            self.arch,
+            None if is_dummy else str(mc.path),
+            dtype=dtype,
+            device=device,
+            load_format=mc.load_format,
+        )
+        cache = config.cache
+        max_useful = config.scheduler.max_num_seqs * self.max_model_len
+        self.num_kv_blocks = self.runner.determine_num_blocks(cache, max_useful)
+        self.runner.init_kv_cache(self.num_kv_blocks, cache.block_size)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._rng = random.Random(mc.seed)
+        self._arrivals = itertools.count()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and update once; return the outputs that are ready."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        touched, stopped = self.output_processor.process(updated, runner_output)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return self._collect(touched)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ConfigError naming the bad field before any work."""
+        if request_id in self.output_processor.states:
+            raise ConfigError(f"request_id {request_id!r} is already running")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_total = self._check_lengths(prompt_ids, params)
+        arrival_seq = next(self._arrivals)
+        children = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_ids,
+                params,
+                seed=self._child_seed(params.seed, i),
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=max_total,
+                priority=priority,
+                arrival_seq=arrival_seq,
+                arrival_time=arrival_time,
+            )
+            for i in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, prompt_text, children, stream)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
+        """End requests wherever they are; their blocks are free when this returns."""
+        child_ids = [
+            cid
+            for rid in request_ids
+            if rid in self.output_processor.states
+            for cid in self.output_processor.states[rid].child_ids
+        ]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        touched = {self.output_processor.finish(cid, reason) for cid in child_ids}
+        return self._collect([t for t in touched if t is not None])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.states)
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage,
+            "num_kv_blocks": bm.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queried_tokens": bm.num_queried_tokens,
+            "prefix_cache_hit_tokens": bm.num_hit_tokens,
+        }
+
+    def _collect(self, parent_ids: list[str]) -> list[RequestOutput]:
+        outputs = (self.output_processor.make_output(pid) for pid in parent_ids)
+        return [o for o in outputs if o is not None]
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ConfigError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ConfigError("prompt must be token ids: the engine has no tokenizer")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ConfigError("prompt must not be empty (got no token ids)")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        num_prompt = len(prompt_ids)
+        if num_prompt >= self.max_model_len:
+            raise ConfigError(
+                f"prompt is {num_prompt} tokens; the model's context (max_model_len) is "
+                f"{self.max_model_len}, which leaves no room to generate: shorten the prompt"
+            )
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, num_prompt + params.max_tokens)
+        needed = self.block_manager.blocks_needed(max_total)
+        if needed > self.num_kv_blocks:
+            raise ConfigError(
+                f"max_tokens: the request needs {needed} KV blocks but the cache has "
+                f"{self.num_kv_blocks}; lower max_tokens or raise kv_cache_memory"
+            )
+        return max_total
+
+    def _child_seed(self, seed: int | None, index: int) -> int:
+        """Sample i of a seeded request gets a seed derived from (seed, i); sample 0 the seed."""
+        if seed is None:
+            return self._rng.getrandbits(63)
+        if index == 0:
+            return seed
+        digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+
+__all__ = ["LLMEngine", "ModelRunnerOutput"]

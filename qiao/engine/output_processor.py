@@ -1,0 +1,186 @@
+"""Turns sampled tokens into user-facing outputs: detokenization, stop strings, logprobs, n-fanout.
+
+A prompt with `n` samples is n scheduler requests ("child" requests) and one `RequestState` here,
+which folds the children back into one `RequestOutput` with `n` completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qiao.engine.detokenizer import IncrementalDetokenizer
+from qiao.engine.request import Request
+from qiao.outputs import CompletionOutput, Logprob, RequestOutput
+from qiao.sampling_params import SamplingParams
+from qiao.step import ModelRunnerOutput
+
+
+@dataclass
+class RequestState:
+    """One user request: its prompt and the state of each of its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    completions: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer | None]
+    child_ids: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    # Streaming: how many token ids / logprob entries of each completion were already returned.
+    sent_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        # child request id -> (parent id, sample index)
+        self.children: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        children: list[Request],
+        stream: bool,
+    ) -> None:
+        params = children[0].params
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params)
+            if self.tokenizer is not None
+            else None
+            for child in children
+        ]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=[],
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for i in range(len(children))
+        ]
+        self.states[request_id] = RequestState(
+            request_id,
+            prompt,
+            children[0].prompt_token_ids,
+            params,
+            stream,
+            completions,
+            detoks,
+            child_ids=[c.request_id for c in children],
+            sent_tokens=[0] * len(children),
+        )
+        for i, child in enumerate(children):
+            self.children[child.request_id] = (request_id, i)
+
+    def process(
+        self, updated: list[Request], runner_output: ModelRunnerOutput
+    ) -> tuple[list[str], list[str]]:
+        """Fold this step's tokens in. Returns (touched parent ids, child ids a stop string ended)."""
+        row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        touched: dict[str, None] = {}
+        stopped: list[str] = []
+        for request in updated:
+            parent_id, index = self.children[request.request_id]
+            state = self.states[parent_id]
+            touched[parent_id] = None
+            completion = state.completions[index]
+            token_id = request.output_token_ids[-1]
+            completion.token_ids.append(token_id)
+            self._add_logprobs(completion, runner_output, row_of[request.request_id])
+            detok = state.detokenizers[index]
+            stop_str = detok.update([token_id]) if detok is not None else None
+            if detok is not None:
+                completion.text = detok.output_text
+            if request.num_cached_tokens > 0 and index == 0:
+                state.num_cached_tokens = request.num_cached_tokens
+            if stop_str is not None:
+                completion.finish_reason = "stop"
+                completion.stop_reason = stop_str
+                if not request.is_finished:
+                    stopped.append(request.request_id)
+            elif request.is_finished:
+                completion.finish_reason = request.status.finish_reason
+                completion.stop_reason = request.stop_reason
+        return list(touched), stopped
+
+    def finish(self, child_id: str, reason: str) -> str | None:
+        """Mark one sample finished from outside (abort, deadline); returns its parent id."""
+        parent_id, index = self.children.get(child_id, (None, 0))
+        if parent_id is None:
+            return None
+        completion = self.states[parent_id].completions[index]
+        if completion.finish_reason is None:
+            completion.finish_reason = reason
+        return parent_id
+
+    def make_output(self, parent_id: str) -> RequestOutput | None:
+        """The request's output now: None for a non-streaming request still running.
+
+        Streaming requests get deltas (new text and token ids since the last output); others get
+        one cumulative output when the last sample finishes. A finished request is forgotten.
+        """
+        state = self.states[parent_id]
+        finished = state.finished
+        if not state.stream and not finished:
+            return None
+        if state.stream:
+            outputs = [self._delta(state, i) for i in range(len(state.completions))]
+        else:
+            outputs = state.completions
+        if finished:
+            self._forget(state)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def _delta(self, state: RequestState, index: int) -> CompletionOutput:
+        completion = state.completions[index]
+        start = state.sent_tokens[index]
+        state.sent_tokens[index] = len(completion.token_ids)
+        detok = state.detokenizers[index]
+        text = detok.get_delta_text(completion.finished) if detok is not None else ""
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=completion.token_ids[start:],
+            cumulative_logprob=completion.cumulative_logprob,
+            logprobs=completion.logprobs[start:] if completion.logprobs is not None else None,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    def _add_logprobs(self, completion: CompletionOutput, out: ModelRunnerOutput, row: int) -> None:
+        if completion.logprobs is None or out.logprobs is None or out.logprobs[row] is None:
+            return
+        ids, values = out.logprobs[row]
+        entry = {
+            tid: Logprob(lp, rank=i)
+            for i, (tid, lp) in enumerate(zip(ids, values, strict=True))
+            if i > 0
+        }
+        entry[ids[0]] = Logprob(values[0], rank=out.sampled_ranks[row])
+        if self.tokenizer is not None:
+            for tid, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([tid])
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + values[0]
+
+    def _forget(self, state: RequestState) -> None:
+        del self.states[state.request_id]
+        for child_id in state.child_ids:
+            self.children.pop(child_id, None)

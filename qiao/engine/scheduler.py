@@ -1,0 +1,168 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Pure bookkeeping: no tensors, no device calls. Each step hands out tokens under a budget
+(`max_num_batched_tokens`) to close every request's gap `num_tokens - num_computed_tokens`:
+running requests first (a decode needs 1; a chunked prefill its next chunk), then waiting ones
+in policy order while sequences, tokens and KV blocks last. When a running request cannot get a
+block, the lowest-priority, youngest running request is preempted: its blocks are freed and it
+goes back to waiting, to be recomputed later (its prefix is usually still cached).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from qiao.config import SchedulerConfig
+from qiao.engine.block_manager import BlockManager
+from qiao.engine.request import Request, RequestStatus
+from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.use_priority = config.policy == "priority"
+        self.requests: dict[str, Request] = {}
+        # (sort key, request): the smallest key is admitted first.
+        self.waiting: list[tuple[tuple[int, int], Request]] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, scheduled, out):
+                continue
+            scheduled[request.request_id] = self._make_scheduled(request, num_new)
+            budget -= num_new
+        if not out.preempted_req_ids:
+            budget = self._admit_waiting(budget, scheduled)
+        out.scheduled = list(scheduled.values())
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish token-level stops.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += len(item.token_ids)
+        updated = []
+        for req_id, token_id in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.append_output_token(token_id)
+            updated.append(request)
+            status = request.check_stop()
+            if status is not None:
+                self._finish(request, status)
+        return updated
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """End requests wherever they are (abort, stop string, deadline); blocks free now."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_new: int,
+        scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+    ) -> bool:
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
+            self._preempt(victim, scheduled, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(
+        self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
+    ) -> None:
+        # A victim already scheduled in this step gives its tokens back: drop its entry.
+        scheduled.pop(victim.request_id, None)
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_req_ids.append(victim.request_id)
+        self._push_waiting(victim)
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0][1]
+            hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(request, num_new, hits):
+                request.num_computed_tokens = 0
+                break
+            heapq.heappop(self.waiting)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = self._make_scheduled(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.block_manager.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = [(k, r) for k, r in self.waiting if r is not request]
+            heapq.heapify(self.waiting)
+        request.status = status
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self.waiting, (request.sort_key(self.use_priority), request))

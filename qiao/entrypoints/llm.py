@@ -1,0 +1,190 @@
+"""Offline inference, shaped like vLLM's `LLM` so existing scripts switch by changing the import."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from qiao.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from qiao.engine.llm_engine import LLMEngine, PromptType
+from qiao.errors import ConfigError
+from qiao.outputs import RequestOutput
+from qiao.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches: `LLM(model=PATH).generate(prompts, params)`.
+
+    Keyword arguments mirror vLLM's where they mean the same thing; an unknown one is an error
+    that names it, rather than being silently ignored.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory: float | None = None,
+        num_kv_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        device: str = "auto",
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if trust_remote_code:
+            raise ConfigError("trust_remote_code: qiao never runs code shipped with a checkpoint")
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                load_format=load_format,
+                max_model_len=max_model_len,
+                tokenizer=tokenizer,
+                skip_tokenizer_init=skip_tokenizer_init,
+                seed=seed,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                num_kv_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
+            ),
+            device=device,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType | dict[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`.
+        `sampling_params` is one object for all prompts or one per prompt.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(
+            sampling_params or SamplingParams(), len(prompt_list), "sampling_params"
+        )
+        priorities = _broadcast(
+            list(priority) if priority is not None else 0, len(prompt_list), "priority"
+        )
+        request_ids = self._add_all(prompt_list, params_list, priorities)
+        return self._run(request_ids, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ConfigError("chat needs a tokenizer; this engine was built without one")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            # The template writes special tokens (BOS) itself; don't add them twice.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_all(
+        self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]
+    ) -> list[str]:
+        request_ids: list[str] = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p, priority=prio)
+                request_ids.append(request_id)
+        except Exception:
+            # All prompts are validated before any step runs: a bad one cancels the batch.
+            self.engine.abort_request(request_ids)
+            raise
+        return request_ids
+
+    def _run(
+        self, request_ids: list[str], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        total_tokens = sum(p.n for p in params)
+        with tqdm(
+            total=len(request_ids),
+            desc="Generating",
+            unit="req",
+            disable=not use_tqdm or total_tokens < 2,
+        ) as bar:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]
+    if isinstance(prompts, dict):
+        prompts = [prompts]
+    result: list[PromptType] = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ConfigError("prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        result.append(prompt)
+    if not result:
+        raise ConfigError("prompts must contain at least one prompt")
+    return result
+
+
+def _broadcast(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ConfigError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,191 @@
+"""The device step: one flat token batch in, one sampled token per finishing chunk out.
+
+The runner owns every device tensor: the weights, the paged KV cache and the step inputs. It turns
+a `SchedulerOutput` into flat `input_ids` / `positions` / `slot_mapping` (no padding), runs the
+model, computes logits only for the last token of each sequence that samples, and samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import torch
+
+from qiao.attention.metadata import AttentionMetadata
+from qiao.config import (
+    DEFAULT_CPU_KV_CAP_BYTES,
+    DEFAULT_CPU_KV_FRACTION,
+    DEFAULT_GPU_KV_FRACTION,
+    CacheConfig,
+)
+from qiao.errors import ConfigError
+from qiao.hal.platform import total_memory_bytes
+from qiao.models.arch_config import ArchConfig
+from qiao.models.loader import load_model
+from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
+from qiao.step import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        model_dir: str | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_format: str,
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.model = load_model(
+            model_dir, arch, dtype=dtype, device=device, load_format=load_format
+        )
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 16
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        arch = self.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return (
+            2
+            * arch.num_hidden_layers
+            * block_size
+            * arch.num_key_value_heads
+            * arch.head_dim
+            * elem
+        )
+
+    def determine_num_blocks(self, cache: CacheConfig, max_useful_tokens: int) -> int:
+        """Pool size from the cache config; never more than `max_useful_tokens` can fill."""
+        per_block = self.kv_bytes_per_block(cache.block_size)
+        useful = -(-max_useful_tokens // cache.block_size)
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+            if budget <= 1.0:
+                budget *= total_memory_bytes(self.device)
+            num = int(budget // per_block)
+            if num < 1:
+                raise ConfigError(
+                    f"kv_cache_memory {cache.kv_cache_memory} holds no KV block "
+                    f"(one block is {per_block} bytes)"
+                )
+            return num
+        if self.device.type == "cpu":
+            budget = min(
+                DEFAULT_CPU_KV_FRACTION * total_memory_bytes(self.device), DEFAULT_CPU_KV_CAP_BYTES
+            )
+        else:
+            budget = DEFAULT_GPU_KV_FRACTION * total_memory_bytes(self.device)
+        return max(1, min(int(budget // per_block), useful))
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        arch = self.arch
+        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(arch.num_hidden_layers)
+        ]
+        self.block_size = block_size
+        self.model.bind_kv_caches(self.kv_caches)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks,
+            block_size,
+            num_blocks * self.kv_bytes_per_block(block_size) / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return ModelRunnerOutput()
+        input_ids, positions, metadata = self._prepare_inputs(scheduler_output)
+        hidden = self.model(input_ids, positions, metadata)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+        if not sample_rows:
+            return ModelRunnerOutput()
+        # The last token of sequence i sits at query_start_loc[i + 1] - 1.
+        last_token = metadata.query_start_loc_cpu[1:][sample_rows] - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
+        requests = [scheduled[i].request for i in sample_rows]
+        sampling = SamplingMetadata.from_rows(
+            [
+                SamplingRow(
+                    r.params, r.seed, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids
+                )
+                for r in requests
+            ],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        return self._to_output(requests, self.sampler(logits, sampling))
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        scheduled = scheduler_output.scheduled
+        num_seqs = len(scheduled)
+        num_tokens = scheduler_output.num_scheduled_tokens
+        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        token_ids = itertools.chain.from_iterable(s.token_ids for s in scheduled)
+        input_ids = np.fromiter(token_ids, np.int64, num_tokens)
+        # E.g. query lens [2, 5, 3] -> [0, 2, 7, 10]
+        query_start_loc = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        # E.g. query lens [2, 3], starts [5, 0] -> seq_idx [0, 0, 1, 1, 1], positions [5, 6, 0, 1, 2]
+        seq_idx = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[seq_idx] + starts[seq_idx]
+        seq_lens = starts + query_lens
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((num_seqs, max_blocks), np.int64)
+        for i, s in enumerate(scheduled):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        bs = self.block_size
+        slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
+
+        def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
+
+        positions_t = dev(positions, torch.int64)
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            block_size=bs,
+            slot_mapping=dev(slot_mapping, torch.int64),
+            positions=positions_t,
+            query_start_loc=dev(query_start_loc, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            block_tables=dev(block_tables, torch.int32),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return dev(input_ids, torch.int64), positions_t, metadata
+
+    def _to_output(self, requests: list, sampled) -> ModelRunnerOutput:
+        out = ModelRunnerOutput(
+            req_ids=[r.request_id for r in requests],
+            sampled_token_ids=sampled.sampled_token_ids.tolist(),
+        )
+        if sampled.logprob_token_ids is None:
+            return out
+        ids = sampled.logprob_token_ids.tolist()
+        values = sampled.logprobs.tolist()
+        out.sampled_ranks = sampled.sampled_ranks.tolist()
+        out.logprobs = []
+        for r, row_ids, row_values in zip(requests, ids, values, strict=True):
+            k = r.params.logprobs
+            out.logprobs.append(None if k is None else (row_ids[: 1 + k], row_values[: 1 + k]))
+        return out

@@ -1,0 +1,48 @@
+"""Tokenizer loading: Hugging Face tokenizer files from a checkpoint directory, never remote code."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from qiao.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A `transformers` fast tokenizer for the checkpoint directory `path`."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)} "
+            "(pass skip_tokenizer_init=True to run on token ids only)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=False, local_files_only=True
+        )
+    except Exception as exc:  # transformers raises many types; report the file, not a traceback
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+def load_eos_token_ids(
+    path: str | Path, config_eos: tuple[int, ...], tokenizer: Any
+) -> tuple[int, ...]:
+    """EOS ids: generation_config.json first, then config.json, then the tokenizer."""
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if config_eos:
+        return config_eos
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()

@@ -1,0 +1,231 @@
+"""Scheduler and block manager, driven with fabricated runner output (no model, no tensors)."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qiao.config import SchedulerConfig
+from qiao.engine.block_manager import BlockManager
+from qiao.engine.request import Request, RequestStatus
+from qiao.engine.scheduler import Scheduler
+from qiao.sampling_params import SamplingParams
+from qiao.step import ModelRunnerOutput, SchedulerOutput
+
+BLOCK = 4
+
+
+def make_scheduler(
+    num_blocks=64, max_num_seqs=8, budget=32, policy="fcfs", chunked=True, prefix=True
+):
+    bm = BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
+    return Scheduler(config, bm), bm
+
+
+_seq = itertools.count()
+
+
+def make_request(prompt, max_tokens=4, priority=0, req_id=None, eos=(0,)):
+    n = next(_seq)
+    return Request(
+        req_id or f"r{n}",
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        seed=n,
+        eos_token_ids=eos,
+        max_total_tokens=len(prompt) + max_tokens,
+        priority=priority,
+        arrival_seq=n,
+    )
+
+
+def fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    rows = [s.request.request_id for s in out.scheduled if s.sample]
+    return ModelRunnerOutput(req_ids=rows, sampled_token_ids=[token] * len(rows))
+
+
+def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = scheduler.schedule()
+    scheduler.update(out, fake_run(out, token))
+    scheduler.block_manager.check_invariants()
+    return out
+
+
+def test_decode_and_prefill_share_a_step_under_the_budget():
+    sched, _bm = make_scheduler(budget=10)
+    a = make_request(range(1, 5), max_tokens=8)
+    sched.add_request(a)
+    step(sched)  # a's prompt (4 tokens) -> a decodes from now on
+    b = make_request(range(10, 30), max_tokens=2)
+    sched.add_request(b)
+    out = step(sched)
+    counts = {s.request.request_id: len(s.token_ids) for s in out.scheduled}
+    # a decodes 1 token; b's 20-token prompt is chunked to the remaining 9.
+    assert counts == {a.request_id: 1, b.request_id: 9}
+    assert out.num_scheduled_tokens == 10
+    assert not next(s for s in out.scheduled if s.request is b).sample
+    assert b.num_computed_tokens == 9 and b.num_output_tokens == 0
+
+
+def test_finishes_on_length_and_eos_and_frees_blocks():
+    sched, bm = make_scheduler()
+    a = make_request([1, 2, 3], max_tokens=3)
+    b = make_request([4, 5, 6], max_tokens=10, eos=(9,))
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    step(sched, token=9)  # b emits EOS
+    assert b.status == RequestStatus.FINISHED_STOPPED
+    step(sched)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 3
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not sched.has_unfinished_requests()
+
+
+def test_prefix_cache_hit_skips_shared_blocks():
+    sched, _bm = make_scheduler(num_blocks=64, budget=64)
+    prefix = list(range(100, 116))  # 4 full blocks
+    a = make_request(prefix + [1, 2], max_tokens=1)
+    sched.add_request(a)
+    step(sched)
+    assert a.is_finished
+    b = make_request(prefix + [3, 4, 5], max_tokens=1)
+    sched.add_request(b)
+    out = step(sched)
+    assert b.num_cached_tokens == 16
+    assert len(out.scheduled[0].token_ids) == 3
+
+
+def test_same_step_siblings_share_prompt_blocks():
+    sched, bm = make_scheduler(num_blocks=64, budget=64)
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    reqs = [make_request(prompt, max_tokens=2) for _ in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched)
+    tables = [bm.get_block_ids(r.request_id) for r in reqs]
+    assert tables[0][:3] == tables[1][:3] == tables[2][:3]
+    assert [r.num_cached_tokens for r in reqs] == [0, 12, 12]
+    # 3 shared blocks + one private tail block each.
+    assert bm.num_blocks - bm.num_free_blocks == 3 + 3
+
+
+def test_preemption_youngest_first_and_resume():
+    sched, bm = make_scheduler(num_blocks=4, budget=64)
+    a = make_request([1, 2, 3, 4, 5, 6, 7], max_tokens=6)  # 2 blocks, grows to 4 blocks
+    b = make_request([8, 9, 10, 11, 12, 13], max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    seen_preempt = False
+    for _ in range(40):
+        out = step(sched)
+        seen_preempt |= b.request_id in out.preempted_req_ids
+        assert a.request_id not in out.preempted_req_ids  # the older request is never the victim
+        if not sched.has_unfinished_requests():
+            break
+    assert seen_preempt
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    sched, _bm = make_scheduler(max_num_seqs=1, policy="priority")
+    low = make_request([1, 2, 3], priority=5)
+    high = make_request([4, 5, 6], priority=-1)
+    sched.add_request(low)
+    sched.add_request(high)
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [high]
+
+
+def test_abort_anywhere_frees_blocks_in_the_same_step():
+    sched, bm = make_scheduler(budget=8)
+    running = make_request(list(range(1, 6)), max_tokens=10)
+    chunking = make_request(list(range(1, 40)), max_tokens=10)
+    waiting = make_request(list(range(50, 60)), max_tokens=10)
+    for r in (running, chunking, waiting):
+        sched.add_request(r)
+    step(sched)
+    step(sched)
+    sched.finish_requests(
+        [r.request_id for r in (running, chunking, waiting)], RequestStatus.FINISHED_ABORTED
+    )
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_no_chunking_waits_for_budget():
+    sched, _ = make_scheduler(budget=8, chunked=False)
+    sched.add_request(make_request(list(range(1, 12))))
+    out = sched.schedule()
+    assert out.scheduled == []
+
+
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add_shared", "step", "abort", "stop"]),
+        st.integers(min_value=1, max_value=40),
+        st.integers(min_value=0, max_value=10**6),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    actions=ACTIONS,
+    num_blocks=st.integers(min_value=6, max_value=20),
+    budget=st.integers(min_value=4, max_value=48),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_block_accounting_under_any_mix(actions, num_blocks, budget, policy):
+    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, policy=policy)
+    live: list[Request] = []
+    shared_prefix = list(range(200, 216))
+    for kind, size, pick in actions:
+        if kind in ("add", "add_shared"):
+            prompt = (shared_prefix if kind == "add_shared" else []) + [
+                1 + i for i in range(size % 17 + 1)
+            ]
+            max_tokens = size % 9 + 1
+            if bm.blocks_needed(len(prompt) + max_tokens) > num_blocks:
+                continue  # the engine refuses such a request up front
+            r = make_request(prompt, max_tokens=max_tokens, priority=pick % 3)
+            sched.add_request(r)
+            live.append(r)
+        elif kind == "step":
+            step(sched, token=3 + pick % 5)
+        elif live:
+            r = live[pick % len(live)]
+            status = (
+                RequestStatus.FINISHED_ABORTED
+                if kind == "abort"
+                else RequestStatus.FINISHED_STOPPED
+            )
+            sched.finish_requests([r.request_id], status)
+        bm.check_invariants()
+        used = sum(1 for b in bm.blocks if b.ref_cnt > 0)
+        assert used + bm.num_free_blocks == bm.num_blocks
+        for r in live:
+            if r.is_finished:
+                assert r.request_id not in bm.req_to_blocks
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert not sched.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks
+    for r in live:
+        if r.status == RequestStatus.FINISHED_LENGTH:
+            assert r.num_output_tokens == r.params.max_tokens
