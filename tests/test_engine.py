@@ -139,6 +139,8 @@ def test_logprobs_match_transformers(stories_llm, stories_dir):
 def _hf_greedy(path, prompts, max_new_tokens):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # Like ignore_eos: EOS neither stops nor is suppressed (min_new_tokens would suppress it).
+    model.generation_config.eos_token_id = None
     results = []
     for prompt in prompts:
         with torch.no_grad():
@@ -146,7 +148,6 @@ def _hf_greedy(path, prompts, max_new_tokens):
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )

@@ -11,6 +11,7 @@ goes back to waiting, to be recomputed later (its prefix is usually still cached
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from qiao.config import SchedulerConfig
 from qiao.engine.block_manager import BlockManager
@@ -24,8 +25,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.use_priority = config.policy == "priority"
         self.requests: dict[str, Request] = {}
-        # (sort key, request): the smallest key is admitted first.
-        self.waiting: list[tuple[tuple[int, int], Request]] = []
+        # (sort key, tie-break, request): the smallest key is admitted first; the n samples of
+        # one prompt share a key and keep their insertion order.
+        self.waiting: list[tuple[tuple[int, int], int, Request]] = []
+        self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -124,7 +127,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0][1]
+            request = self.waiting[0][2]
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
@@ -158,11 +161,13 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting = [(k, r) for k, r in self.waiting if r is not request]
+            self.waiting = [entry for entry in self.waiting if entry[2] is not request]
             heapq.heapify(self.waiting)
         request.status = status
         self.block_manager.free(request)
         del self.requests[request.request_id]
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self.waiting, (request.sort_key(self.use_priority), request))
+        heapq.heappush(
+            self.waiting, (request.sort_key(self.use_priority), next(self._tiebreak), request)
+        )

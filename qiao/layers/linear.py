@@ -1,0 +1,104 @@
+"""Linear layers and how checkpoint tensors load into them.
+
+Named for tensor parallelism: column-parallel layers split their output features across ranks,
+row-parallel ones their input features (then all-reduce). qiao runs one rank, so every shard is
+the whole matrix and the all-reduce is the identity.
+
+Loading convention: `module.weight_loader(param, loaded_weight, shard_id)` copies one
+checkpoint tensor into `param`; fused layers place it by `shard_id`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qiao.errors import ModelLoadError
+
+
+def default_weight_loader(
+    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+) -> None:
+    """Copy a whole tensor; the target of every parameter outside a fused layer."""
+    if shard_id is not None:
+        raise ModelLoadError(f"parameter of shape {tuple(param.shape)} is not fused")
+    copy_checked(param.data, loaded_weight)
+
+
+def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    if target.shape != loaded_weight.shape:
+        raise ModelLoadError(
+            f"shape {tuple(loaded_weight.shape)} in the checkpoint, {tuple(target.shape)} expected"
+        )
+    target.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), with W of [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (whole at one rank)."""
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks, outputs all-reduced (identity at one rank)."""
+
+
+class MergedLinear(ColumnParallelLinear):
+    """Several projections of one input stacked along the output: shard i is `output_sizes[i]`.
+
+    E.g. gate_up_proj with output_sizes [I, I]: gate_proj loads as shard 0, up_proj as shard 1.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ModelLoadError(f"shard id {shard_id!r} of a {len(self.output_sizes)}-way merge")
+        offset = sum(self.output_sizes[:shard_id])
+        copy_checked(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded_weight)
+
+
+class QKVLinear(ColumnParallelLinear):
+    """q, k and v projections stacked along the output: rows [q (H*D) | k (Hkv*D) | v (Hkv*D)]."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, q_size + 2 * kv_size, bias)
+        # shard id -> (first row, number of rows)
+        self.shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if shard_id not in self.shards:
+            raise ModelLoadError(f"shard id {shard_id!r} of qkv; expected 'q', 'k' or 'v'")
+        offset, size = self.shards[shard_id]
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight)

@@ -1,0 +1,184 @@
+"""A checkpoint's architecture, read from its config.json without transformers.
+
+Reads both key styles of Hugging Face configs: transformers 4 (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and transformers 5 (`rope_parameters`, `dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qiao.errors import ConfigError, ModelLoadError
+from qiao.layers.rotary import validate_rope_scaling
+from qiao.models.registry import supported_architectures
+
+# Used when a config.json lacks `architectures`.
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else a dict with "rope_type" ("linear", "llama3") and its parameters.
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (and o, except for Qwen2)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int | None  # applies to every layer when set
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    def __post_init__(self) -> None:
+        _check_architecture(self.architecture)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act: unsupported value {self.hidden_act!r}; supported: silu")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+        validate_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ArchConfig:
+        """Build from a parsed config.json."""
+        architecture = _architecture(d)
+        num_heads = _required(d, "num_attention_heads")
+        rope_theta, rope_scaling = _rope(d)
+        eos = d.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            model_type=d.get("model_type", ""),
+            vocab_size=_required(d, "vocab_size"),
+            hidden_size=_required(d, "hidden_size"),
+            intermediate_size=_required(d, "intermediate_size"),
+            num_hidden_layers=_required(d, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or _required(d, "hidden_size") // num_heads,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            # Qwen2 always biases q/k/v; its config.json does not say so.
+            attention_bias=architecture == "Qwen2ForCausalLM" or d.get("attention_bias", False),
+            mlp_bias=d.get("mlp_bias", False),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(d, architecture),
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+
+def load_arch_config(model_dir: str | Path) -> ArchConfig:
+    """Read `model_dir/config.json`. Remote code (`auto_map`) is refused, never run."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory not found: {model_dir}")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"config.json not found: {path}")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if "auto_map" in d or d.get("trust_remote_code"):
+        raise ModelLoadError(
+            f"{path} asks for remote code (auto_map / trust_remote_code); qiao never runs "
+            "code from a checkpoint and supports only its built-in architectures: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return ArchConfig.from_dict(d)
+
+
+def _required(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) is None:
+        raise ConfigError(f"{key}: missing from config.json")
+    return d[key]
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    architectures = d.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(d.get("model_type"))]
+    if architectures[0] is None:
+        raise ConfigError(
+            f"architectures: missing from config.json (model_type {d.get('model_type')!r}); "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    _check_architecture(architectures[0])
+    return architectures[0]
+
+
+def _check_architecture(architecture: str) -> None:
+    if architecture not in supported_architectures():
+        raise ConfigError(
+            f"architectures: unsupported architecture {architecture!r}; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) with rope_scaling normalised to carry "rope_type"."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = d.get("rope_theta", _DEFAULT_ROPE_THETA)
+        scaling = dict(d.get("rope_scaling") or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
+    """Mistral slides whenever `sliding_window` is set; Qwen2/3 only with `use_sliding_window`,
+    and then only on layers from `max_window_layers` on. qiao supports all or none."""
+    window = d.get("sliding_window")
+    if architecture == "MistralForCausalLM" or window is None:
+        return window
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    if not d.get("use_sliding_window", False):
+        return None
+    num_layers = _required(d, "num_hidden_layers")
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(num_layers)
+    ]
+    num_sliding = layer_types.count("sliding_attention")
+    if 0 < num_sliding < num_layers:
+        raise ConfigError(
+            f"layer_types: {num_sliding} of {num_layers} layers use a sliding window "
+            "(max_window_layers); qiao supports a window on all layers or none"
+        )
+    return window if num_sliding else None

@@ -1,0 +1,202 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 as constructor flags of one model.
+
+Variants: q/k/v bias (Qwen2; also o_proj for Llama's `attention_bias`), per-head q/k RMSNorm
+before RoPE (Qwen3), tied embeddings, a sliding window (Mistral), scaled RoPE (Llama 3.1).
+Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (`_PACKED`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from qiao.attention.metadata import AttentionMetadata
+from qiao.errors import ModelLoadError
+from qiao.layers.activation import SiluAndMul
+from qiao.layers.attention import Attention
+from qiao.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qiao.layers.layernorm import RMSNorm
+from qiao.layers.linear import (
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from qiao.layers.rotary import RotaryEmbedding, apply_rotary
+from qiao.models.arch_config import ArchConfig
+
+# fused module -> (checkpoint module, shard id) of each part, in order.
+_PACKED: dict[str, tuple[tuple[str, str | int], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+_SHARD_OF = {part: (fused, shard) for fused, parts in _PACKED.items() for part, shard in parts}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVLinear(
+            arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias
+        )
+        # Qwen2 biases q/k/v but not o.
+        o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, arch.hidden_size, o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            scale=self.head_dim**-0.5,
+            sliding_window=arch.sliding_window,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        # Tied: the head reads model.embed_tokens.weight; the checkpoint's lm_head is ignored.
+        self.lm_head = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] float32."""
+        if self.lm_head is None:
+            return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden)
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """One cache per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"{len(caches)} KV caches for {len(self.model.layers)} layers")
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.attn.kv_cache = cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) in; returns the names consumed."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (
+                self.lm_head is None and name == "lm_head.weight"
+            ):
+                continue
+            param_name, shard_id = _param_name(name)
+            if param_name not in params:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no parameter in {self.arch.architecture}"
+                )
+            module = self.get_submodule(param_name.rpartition(".")[0])
+            weight_loader = getattr(module, "weight_loader", default_weight_loader)
+            try:
+                weight_loader(params[param_name], tensor, shard_id)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            loaded.add(name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint tensor names `load_weights` needs to fill every parameter."""
+        names = set()
+        for param_name, _ in self.named_parameters():
+            module_path, _, leaf = param_name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            prefix = f"{parent}." if parent else ""
+            parts = _PACKED.get(module, ((module, None),))
+            names.update(f"{prefix}{part}.{leaf}" for part, _ in parts)
+        return names
+
+
+def _param_name(name: str) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (parameter name, shard id).
+
+    E.g. "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight",
+    "k"); names outside fused modules map to themselves with shard id None.
+    """
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module not in _SHARD_OF:
+        return name, None
+    fused, shard_id = _SHARD_OF[module]
+    return f"{parent}.{fused}.{leaf}", shard_id

@@ -1,0 +1,119 @@
+"""Build a model on the meta device and fill it from memory-mapped safetensors.
+
+Pickle checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: unpickling can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from qiao.errors import ConfigError, ModelLoadError
+from qiao.models.arch_config import ArchConfig
+from qiao.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_DUMMY_SEED = 0
+
+
+def load_model(
+    model_dir: str | Path | None,
+    arch: ArchConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+) -> nn.Module:
+    """The model of `arch` on `device` in `dtype`, weights loaded, in eval mode.
+
+    load_format "dummy" needs no checkpoint: small deterministic random weights (benchmarks).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(
+            f"load_format: unsupported value {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}"
+        )
+    if load_format != "dummy" and model_dir is None:
+        raise ModelLoadError(f"load_format {load_format!r} needs a model directory")
+    with torch.device("meta"):
+        model = get_model_class(arch)(arch)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        _load_checkpoint(model, Path(model_dir))
+    return model.eval()
+
+
+def find_weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards of its index, or its single file."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory not found: {model_dir}")
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        return _index_shards(index)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); they are refused "
+            "for safety (unpickling can run arbitrary code). Convert them to safetensors "
+            f"({SINGLE_FILE}) first."
+        )
+    raise ModelLoadError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = _DUMMY_SEED) -> None:
+    """Fill every parameter in place: norm weights U(0.9, 1.1), the rest U(-0.01, 0.01)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        generator = generators[param.device]
+        if name.endswith("norm.weight"):
+            param.data.uniform_(0.9, 1.1, generator=generator)
+        else:
+            param.data.uniform_(-0.01, 0.01, generator=generator)
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in `files`, memory-mapped on the CPU."""
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _load_checkpoint(model: nn.Module, model_dir: Path) -> None:
+    loaded = model.load_weights(iter_safetensors(find_weight_files(model_dir)))
+    missing = sorted(model.expected_weight_names() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor(s): {shown}")
+
+
+def _index_shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index}: not a valid safetensors index ({e!r})") from None
+    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not shard.is_file():
+            raise ModelLoadError(f"shard {shard} listed in {index} not found")
+    return shards

@@ -1,0 +1,208 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints, the stories260K checkpoint, and a
+builder of attention metadata like the runner's."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qiao.attention.metadata import AttentionMetadata
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+TINY_VOCAB_SIZE = 320
+STORIES_DIR = (Path(__file__).parents[1] / "../shared/models/stories260K-hf").resolve()
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_TRAINING_TEXT = [
+    "Once upon a time there was a little fox who lived at the edge of a quiet forest. Every "
+    "morning the fox walked to the river to drink, and every evening it watched the sun go down "
+    "behind the hills.",
+    "The engine schedules requests, runs the model on a flat batch of tokens, and samples the "
+    "next token of every sequence. Blocks of the key-value cache are shared between sequences "
+    "that start with the same prompt.",
+    "She opened the window and the cold air of the winter morning filled the room. Outside, the "
+    "children were building a snowman and laughing as they threw snowballs at each other.",
+    "Numbers and symbols appear too: 3.14159, 42, 1024 tokens, [1, 2, 3], {'key': 'value'}, "
+    "x = y + z; print('hello, world!') # a comment",
+    "Hello! How are you today? I am fine, thank you. What would you like to talk about? Let us "
+    "talk about the weather, the mountains, the sea and the stars in the night sky.",
+]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with <s>, </s> and a chat template, `vocab_size` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT, trainer=trainer)
+    assert tokenizer.get_vocab_size() == vocab_size, "training text too short for vocab_size"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", chat_template=_CHAT_TEMPLATE
+    )
+
+
+def _hf_config(arch_name: str, bos_token_id: int, eos_token_id: int):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch_name == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch_name == "llama3":
+        llama3_rope = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        return transformers.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            rope_scaling=llama3_rope,
+            attention_bias=True,
+            mlp_bias=True,
+        )
+    if arch_name == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=24)
+    if arch_name == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch_name == "qwen3":
+        return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
+    raise ValueError(f"unknown tiny arch {arch_name!r}; known: {ARCHS}")
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that any numerical mistake shows in the logits (HF init is tiny,
+    and it leaves norm weights at exactly 1, which would hide a skipped norm weight)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if "norm" in name:
+            param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.08)
+
+
+def build_tiny_checkpoint(arch_name: str, path: Path, tokenizer) -> Path:
+    """Save a tiny random float32 checkpoint of `arch_name` with `tokenizer` into `path`."""
+    import transformers
+
+    _seed_everything(ARCHS.index(arch_name))
+    config = _hf_config(arch_name, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=ARCHS.index(arch_name))
+    model.save_pretrained(path)  # safetensors: the default since transformers 4.35
+    tokenizer.save_pretrained(path)
+    generation_config = transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False
+    )
+    generation_config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_checkpoint(arch_name) -> directory of a tiny random checkpoint, built once."""
+    built: dict[str, Path] = {}
+    tokenizers: list = []
+
+    def get(arch_name: str) -> Path:
+        if arch_name not in ARCHS:
+            raise ValueError(f"unknown tiny arch {arch_name!r}; known: {ARCHS}")
+        if arch_name not in built:
+            if not tokenizers:
+                tokenizers.append(_train_tokenizer(TINY_VOCAB_SIZE))
+            path = tmp_path_factory.mktemp(f"tiny-{arch_name}")
+            built[arch_name] = build_tiny_checkpoint(arch_name, path, tokenizers[0])
+        return built[arch_name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real stories260K checkpoint (shared/models/stories260K-hf)."""
+    if not (STORIES_DIR / "config.json").is_file():
+        pytest.skip(f"real weights not present: {STORIES_DIR}")
+    return STORIES_DIR
+
+
+def build_attn_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata of a step where sequence i computes its last `query_lens[i]` of `seq_lens[i]`
+    tokens, its blocks being `block_tables[i]` (long enough for `seq_lens[i]`)."""
+    query_lens_np = np.asarray(query_lens, dtype=np.int64)
+    seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens_np)])
+    positions = np.concatenate(
+        [np.arange(s - q, s) for q, s in zip(query_lens_np, seq_lens_np, strict=True)]
+    )
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens_np)
+    width = max(len(t) for t in block_tables)
+    tables = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    slot_mapping = (
+        tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    )
+    device = torch.device(device)
+    return AttentionMetadata(
+        num_tokens=int(query_start_loc[-1]),
+        num_seqs=len(query_lens),
+        block_size=block_size,
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+        query_start_loc_cpu=query_start_loc.astype(np.int32),
+        seq_lens_cpu=seq_lens_np.astype(np.int32),
+        max_query_len=int(query_lens_np.max()),
+        max_seq_len=int(seq_lens_np.max()),
+    )
+
+
+@pytest.fixture(scope="session")
+def make_attn_metadata() -> Callable[..., AttentionMetadata]:
+    """`build_attn_metadata` as a fixture, for test modules."""
+    return build_attn_metadata
