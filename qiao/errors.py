@@ -15,3 +15,15 @@ class ConfigError(QiaoError, ValueError):
 
 class ModelLoadError(QiaoError):
     """A checkpoint cannot be loaded (missing file, unsupported format or architecture)."""
+
+
+class QueueFullError(QiaoError):
+    """The engine's waiting queue is at its limit; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(QiaoError):
+    """The engine is draining, stopped or failed; the request was not (or no longer) served."""

@@ -62,6 +62,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(mc.seed)
+        self.num_steps = 0
+        self.num_computed_tokens_total = 0  # prompt and recomputed tokens plus decode inputs
+        self.num_generated_tokens_total = 0
         self._arrivals = itertools.count()
 
     def step(self) -> list[RequestOutput]:
@@ -69,6 +72,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.num_computed_tokens_total += scheduler_output.num_scheduled_tokens
+        self.num_generated_tokens_total += len(updated)
         touched, stopped = self.output_processor.process(updated, runner_output)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return self._collect(touched)
@@ -127,8 +133,13 @@ class LLMEngine:
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_waiting_tokens": self.scheduler.num_waiting_tokens,
+            "num_steps": self.num_steps,
+            "num_computed_tokens_total": self.num_computed_tokens_total,
+            "num_generated_tokens_total": self.num_generated_tokens_total,
             "kv_cache_usage": bm.usage,
             "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queried_tokens": bm.num_queried_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens,

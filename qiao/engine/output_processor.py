@@ -6,12 +6,14 @@ which folds the children back into one `RequestOutput` with `n` completions.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from qiao.engine.detokenizer import IncrementalDetokenizer
 from qiao.engine.request import Request
-from qiao.outputs import CompletionOutput, Logprob, RequestOutput
+from qiao.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qiao.sampling_params import SamplingParams
 from qiao.step import ModelRunnerOutput
 
@@ -27,6 +29,7 @@ class RequestState:
     stream: bool
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
     child_ids: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
     # Streaming: how many token ids / logprob entries of each completion were already returned.
@@ -76,6 +79,7 @@ class OutputProcessor:
             stream,
             completions,
             detoks,
+            metrics=RequestMetrics(arrival_time=children[0].arrival_time),
             child_ids=[c.request_id for c in children],
             sent_tokens=[0] * len(children),
         )
@@ -87,6 +91,7 @@ class OutputProcessor:
     ) -> tuple[list[str], list[str]]:
         """Fold this step's tokens in. Returns (touched parent ids, child ids a stop string ended)."""
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        now = time.monotonic()
         touched: dict[str, None] = {}
         stopped: list[str] = []
         for request in updated:
@@ -101,8 +106,7 @@ class OutputProcessor:
             stop_str = detok.update([token_id]) if detok is not None else None
             if detok is not None:
                 completion.text = detok.output_text
-            if request.num_cached_tokens > 0 and index == 0:
-                state.num_cached_tokens = request.num_cached_tokens
+            self._update_metrics(state, request, now)
             if stop_str is not None:
                 completion.finish_reason = "stop"
                 completion.stop_reason = stop_str
@@ -112,6 +116,16 @@ class OutputProcessor:
                 completion.finish_reason = request.status.finish_reason
                 completion.stop_reason = request.stop_reason
         return list(touched), stopped
+
+    @staticmethod
+    def _update_metrics(state: RequestState, request: Request, now: float) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            metrics.first_scheduled_time = request.first_scheduled_time
+            state.num_cached_tokens = max(request.num_cached_tokens, 0)
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += 1
 
     def finish(self, child_id: str, reason: str) -> str | None:
         """Mark one sample finished from outside (abort, deadline); returns its parent id."""
@@ -138,6 +152,7 @@ class OutputProcessor:
         else:
             outputs = state.completions
         if finished:
+            state.metrics.finished_time = time.monotonic()
             self._forget(state)
         return RequestOutput(
             request_id=state.request_id,
@@ -146,6 +161,8 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
+            # A snapshot: the engine keeps updating the live one after this output is handed off.
+            metrics=dataclasses.replace(state.metrics),
         )
 
     def _delta(self, state: RequestState, index: int) -> CompletionOutput:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 from qiao.config import SchedulerConfig
 from qiao.engine.block_manager import BlockManager
@@ -35,6 +36,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (O(waiting); the queue is bounded)."""
+        return sum(r.num_tokens - r.num_computed_tokens for _, _, r in self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -141,6 +147,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = self._make_scheduled(request, num_new)

@@ -1,0 +1,255 @@
+"""`qiao serve` settings: one pydantic-settings schema for CLI flags, `QIAO_*` env and a file.
+
+Precedence, highest first: command-line flags, environment variables (`QIAO_PORT=9000`), the
+config file (`--config serve.json|.toml|.yaml`, or `QIAO_CONFIG`), defaults. `qiao serve --help`
+lists every flag with its description and default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from qiao.errors import ConfigError
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="QIAO_",
+        cli_kebab_case=True,
+        cli_prog_name="qiao serve",
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    # --- model and engine --------------------------------------------------------------------
+    model: str | None = Field(
+        None, description="HF checkpoint directory (default: built-in demo model)"
+    )
+    served_model_name: str | None = Field(
+        None, description="model id clients send (default: directory name)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype"
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto", description="weight source"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context limit (default: checkpoint's)"
+    )
+    max_num_seqs: int = Field(128, ge=1, description="max running sequences per step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per engine step")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
+    block_size: int = Field(16, description="tokens per KV block")
+    kv_cache_memory: float | None = Field(
+        None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pool size in blocks (overrides memory)"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="waiting-queue order"
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    seed: int = Field(0, description="engine seed for requests without their own")
+
+    # --- network and security ----------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="bind address (non-loopback needs an API key)")
+    port: int = Field(8000, ge=0, le=65535, description="bind port (0 = any free port)")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="accepted API key (repeatable; env: comma-separated)"
+    )
+    api_key_file: Path | None = Field(None, description="file with one accepted API key per line")
+    allow_insecure_public_bind: bool = Field(
+        False, description="allow a non-loopback bind without API key"
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="allowed CORS origins (default: none)"
+    )
+
+    # --- limits and admission ------------------------------------------------------------------
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted")
+    max_tokens_limit: int | None = Field(
+        None, ge=1, description="largest max_tokens a request may ask"
+    )
+    max_n: int = Field(8, ge=1, description="largest n (samples per prompt)")
+    max_stop_sequences: int = Field(8, ge=0, description="most stop strings per request")
+    max_stop_length: int = Field(128, ge=1, description="longest stop string, in characters")
+    max_top_logprobs: int = Field(20, ge=0, description="largest logprobs / top_logprobs")
+    max_prompts: int = Field(64, ge=1, description="most prompts in one completions request")
+    max_waiting_requests: int = Field(256, ge=1, description="waiting-queue limit, in sequences")
+    max_waiting_tokens: int = Field(
+        262144, ge=1, description="waiting-queue limit, in prompt tokens"
+    )
+    default_timeout: float | None = Field(
+        None, gt=0, description="deadline for requests without one (s)"
+    )
+    max_timeout: float | None = Field(
+        None, gt=0, description="largest per-request timeout accepted (s)"
+    )
+
+    # --- operations ----------------------------------------------------------------------------
+    stall_timeout: float = Field(
+        30.0, gt=0, description="readiness fails after this long without a step (s)"
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="on SIGTERM, time given to in-flight requests (s)"
+    )
+    log_interval: float = Field(
+        10.0, ge=0, description="seconds between throughput log lines (0 = off)"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
+
+    @field_validator("api_key", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def model_path(self) -> str:
+        return self.model or str(DEMO_MODEL_DIR)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    def api_keys(self) -> list[str]:
+        keys = list(self.api_key)
+        if self.api_key_file is not None:
+            try:
+                lines = self.api_key_file.read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"api_key_file cannot be read ({exc.strerror})") from exc
+            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        return keys
+
+    def is_loopback_bind(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def check_security(self) -> None:
+        """Refuse a public bind without an API key unless explicitly told it is fine."""
+        if (
+            not self.is_loopback_bind()
+            and not self.api_keys()
+            and not self.allow_insecure_public_bind
+        ):
+            raise ConfigError(
+                f"host {self.host!r} is not a loopback address and no API key is set: pass "
+                "--api-key (or QIAO_API_KEY / --api-key-file), or --allow-insecure-public-bind"
+            )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # CLI values arrive through init; the file is passed in as the lowest-priority source.
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+_FILE_VALUES: dict[str, Any] = {}
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_VALUES)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Settings from a JSON, TOML or YAML file; keys use snake_case or kebab-case."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror})") from exc
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {path}: use .json, .toml or .yaml")
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    known = set(ServeSettings.model_fields)
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return values
+
+
+def load_settings(argv: Sequence[str]) -> ServeSettings:
+    """Parse `qiao serve` arguments (plus env and config file) into validated settings."""
+    config_path = _find_config_path(argv)
+    _FILE_VALUES.clear()
+    if config_path is not None:
+        _FILE_VALUES.update(read_config_file(config_path))
+    try:
+        cli = CliSettingsSource(ServeSettings, cli_parse_args=list(argv))
+        return ServeSettings(_cli_settings_source=cli)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _find_config_path(argv: Sequence[str]) -> Path | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    env = os.environ.get("QIAO_CONFIG")
+    return Path(env) if env else None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        name = ".".join(str(p) for p in error["loc"]) or "settings"
+        parts.append(f"{name.replace('_', '-')}: {error['msg']}")
+    return "invalid settings: " + "; ".join(parts)
+
+
+if __name__ == "__main__":  # pragma: no cover - manual check of the parser
+    print(load_settings(sys.argv[1:]))

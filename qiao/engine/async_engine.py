@@ -1,0 +1,361 @@
+"""The engine for online serving: `LLMEngine.step()` in a background thread, asyncio in front.
+
+The API layer sees only `EngineClient`: `generate` (an async iterator of outputs), `abort`,
+`health` and `stats`. Behind it one thread owns the `LLMEngine` (nothing else touches it): it
+takes queued commands (add, abort), ends requests whose deadline passed, runs a step, and fans the
+step's outputs into per-request asyncio queues. torch releases the GIL while computing, so the
+event loop stays responsive during steps.
+
+Admission is bounded: a request is refused at once (`QueueFullError` -> 503) when the sequences or
+prompt tokens waiting to start would pass their limit; nothing queues without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qiao.engine.llm_engine import LLMEngine
+from qiao.errors import EngineUnavailableError, QiaoError, QueueFullError
+from qiao.outputs import RequestOutput
+from qiao.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    is_ready: bool
+    reason: str = "ok"
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Bounds on work that has not started yet (waiting in the scheduler or about to)."""
+
+    max_waiting_seqs: int = 256
+    max_waiting_tokens: int = 262144
+    # Readiness fails when work is queued but no step completed for this long.
+    stall_timeout: float = 30.0
+    # Seconds between throughput / KV-usage log lines (0 = never).
+    log_interval: float = 10.0
+
+
+class EngineClient(ABC):
+    """The API layer's only door to an engine. Kept narrow so the engine can move out of process."""
+
+    @abstractmethod
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit at once (or raise), then stream delta outputs until one has `finished`.
+
+        The iterator has `aclose()`; closing it before the last output aborts the request.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def health(self) -> EngineHealth: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    deadline: float | None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: str
+
+
+class RequestStream:
+    """Delta outputs of one request; closing it before the last output aborts the request."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        queue: asyncio.Queue[RequestOutput | BaseException],
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        self.finished = isinstance(item, BaseException) or item.finished
+        if self.finished:
+            self.engine._queues.pop(self.request_id, None)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.engine.abort(self.request_id)
+        self.engine._queues.pop(self.request_id, None)
+
+
+class AsyncEngine(EngineClient):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        limits: AdmissionLimits | None = None,
+        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits or AdmissionLimits()
+        self._on_outputs = on_outputs
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._commands: list[_Add | _Abort] = []
+        # Work not yet started: commands in flight plus the scheduler's waiting queue.
+        self._queued_seqs = 0
+        self._queued_tokens = 0
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._progress_time = time.monotonic()
+        self._stats: dict[str, Any] = engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.draining = False
+        self.error: BaseException | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="qiao-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    async def abort_all(self, reason: str = "abort") -> None:
+        with self._lock:
+            self._commands.extend(_Abort(rid, reason) for rid in self._queues)
+        self._wakeup.set()
+
+    # --- EngineClient --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> RequestStream:
+        """Admit now (raising QueueFullError / EngineUnavailableError at once) and stream."""
+        if request_id in self._queues:
+            raise QiaoError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._admit(_Add(request_id, prompt_token_ids, params, priority, deadline), queue)
+        return RequestStream(self, request_id, queue)
+
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+            self._commands.append(_Abort(request_id, reason))
+        self._wakeup.set()
+
+    def health(self) -> EngineHealth:
+        if self._thread is None or not self._thread.is_alive():
+            return EngineHealth(False, "engine loop is not running")
+        if self.draining:
+            return EngineHealth(False, "draining")
+        with self._lock:
+            has_work = bool(self._queues) or bool(self._commands)
+            idle_for = time.monotonic() - self._progress_time
+        if has_work and idle_for > self.limits.stall_timeout:
+            return EngineHealth(False, f"engine stalled: no step completed for {idle_for:.1f} s")
+        return EngineHealth(True)
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+    # --- admission (event-loop side) ------------------------------------------------------------
+
+    def _admit(self, add: _Add, queue: asyncio.Queue[RequestOutput | BaseException]) -> None:
+        if self.draining or self._stopping:
+            raise EngineUnavailableError("the server is shutting down; retry on another replica")
+        num_seqs = add.params.n
+        num_tokens = len(add.prompt_token_ids) * add.params.n
+        limits = self.limits
+        with self._lock:
+            if self._queued_seqs + num_seqs > limits.max_waiting_seqs:
+                raise QueueFullError(
+                    f"waiting queue is full ({self._queued_seqs} of {limits.max_waiting_seqs} "
+                    "sequences); retry later"
+                )
+            if self._queued_tokens + num_tokens > limits.max_waiting_tokens:
+                raise QueueFullError(
+                    f"waiting queue is full ({self._queued_tokens} of "
+                    f"{limits.max_waiting_tokens} prompt tokens); retry later"
+                )
+            if not self._queues and not self._commands:
+                self._progress_time = time.monotonic()  # idle until now is not a stall
+            self._queued_seqs += num_seqs
+            self._queued_tokens += num_tokens
+            self._queues[add.request_id] = queue
+            self._commands.append(add)
+        self._wakeup.set()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        if self._on_outputs is not None:
+            self._on_outputs(outputs)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    # --- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        last_counts = (0, 0)
+        while not self._stopping:
+            outputs = self._apply_commands() + self._expire_deadlines()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs += self.engine.step()
+                except Exception as exc:  # a bug in a step must not take the server down
+                    logger.exception("engine step failed; failing the requests in flight")
+                    outputs += self._fail_all(exc)
+            with self._lock:
+                self._progress_time = time.monotonic()
+                self._publish_stats()
+            if outputs:
+                self._post(self._deliver, outputs)
+            now = time.monotonic()
+            if self.limits.log_interval and now - last_log >= self.limits.log_interval:
+                last_counts = self._log_throughput(now - last_log, last_counts)
+                last_log = now
+            if not self.engine.has_unfinished_requests():
+                self._wait_for_work()
+
+    def _wait_for_work(self) -> None:
+        timeout = self.limits.log_interval or None
+        if self._deadlines:
+            until_deadline = max(self._deadlines[0][0] - time.monotonic(), 0.0)
+            timeout = until_deadline if timeout is None else min(timeout, until_deadline)
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        outputs: list[RequestOutput] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                outputs += self.engine.abort_request([command.request_id], reason=command.reason)
+                continue
+            try:
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    priority=command.priority,
+                    stream=True,
+                    arrival_time=command.arrival_time,
+                )
+            except QiaoError as exc:
+                self._post(self._fail, command.request_id, exc)
+                continue
+            if command.deadline is not None:
+                heapq.heappush(self._deadlines, (command.deadline, command.request_id))
+        return outputs
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expired.append(heapq.heappop(self._deadlines)[1])
+        if not expired:
+            return []
+        return self.engine.abort_request(expired, reason="timeout")
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        request_ids = list(self.engine.output_processor.states)
+        error = EngineUnavailableError(
+            f"the engine failed while serving this request ({type(exc).__name__})"
+        )
+        for request_id in request_ids:
+            self._post(self._fail, request_id, error)
+        self.engine.abort_request(request_ids)
+        return []
+
+    def _publish_stats(self) -> None:
+        """Called under the lock: exact queue accounting and a stats snapshot for readers."""
+        stats = self.engine.stats()
+        pending = [c for c in self._commands if isinstance(c, _Add)]
+        self._queued_seqs = stats["num_waiting"] + sum(c.params.n for c in pending)
+        self._queued_tokens = stats["num_waiting_tokens"] + sum(
+            len(c.prompt_token_ids) * c.params.n for c in pending
+        )
+        self._stats = stats
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _log_throughput(self, elapsed: float, last: tuple[int, int]) -> tuple[int, int]:
+        stats = self._stats
+        computed = stats["num_computed_tokens_total"]
+        generated = stats["num_generated_tokens_total"]
+        logger.info(
+            "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
+            "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
+            (computed - last[0]) / elapsed,
+            (generated - last[1]) / elapsed,
+            stats["num_running"],
+            stats["num_waiting"],
+            100 * stats["kv_cache_usage"],
+            100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
+        )
+        return computed, generated
