@@ -1,0 +1,294 @@
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from qiao.runner.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    apply_penalties,
+    hash32,
+    uniform_from_hash,
+)
+from qiao.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+def row(
+    seed: int = 0,
+    num_generated: int = 0,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    **params: object,
+) -> SamplingRow:
+    """A row whose generation index is `num_generated` (or len(output) when output is given)."""
+    generated = output if output is not None else range(num_generated)
+    return SamplingRow(SamplingParams(**params), seed, prompt or [], generated, [EOS])
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    metadata = SamplingMetadata.from_rows(rows, logits.shape[-1], CPU)
+    return Sampler()(logits, metadata)
+
+
+def random_logits(num_rows: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_skips_randomness() -> None:
+    logits = random_logits(16, 1000)
+    metadata = SamplingMetadata.from_rows([row(temperature=0.0)] * 16, 1000, CPU)
+    assert metadata.all_greedy and metadata.seed_lo is None and metadata.top_p is None
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+    assert out.logprobs is None
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = random_logits(4, 100)
+    before = logits.clone()
+    rows = [
+        row(seed=i, output=[1, 2], repetition_penalty=1.5, top_p=0.5, min_tokens=3)
+        for i in range(4)
+    ]
+    sample(logits, rows)
+    assert torch.equal(logits, before)
+
+
+def test_top_k_one_equals_greedy() -> None:
+    logits = random_logits(32, 500)
+    out = sample(logits, [row(seed=i, top_k=1, temperature=1.5) for i in range(32)])
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+
+
+def test_tiny_top_p_equals_greedy() -> None:
+    logits = random_logits(32, 500)
+    out = sample(logits, [row(seed=i, top_p=1e-6) for i in range(32)])
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+
+
+def test_mixed_greedy_and_random_rows() -> None:
+    logits = random_logits(8, 500)
+    rows = [row(seed=i, temperature=0.0 if i % 2 else 5.0) for i in range(8)]
+    out = sample(logits, rows).sampled_token_ids
+    greedy = logits.argmax(dim=-1)
+    assert torch.equal(out[1::2], greedy[1::2])
+    alone = sample(logits[0::2], rows[0::2]).sampled_token_ids
+    assert torch.equal(out[0::2], alone)
+
+
+def test_min_p_keeps_only_tokens_near_the_top() -> None:
+    # probs [0.5, 0.3, 0.15, 0.05]; min_p 0.35 -> threshold 0.175 -> only tokens 0 and 1 survive.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2000, 4)
+    rows = [row(seed=7, num_generated=i, min_p=0.35) for i in range(2000)]
+    counts = torch.bincount(sample(logits, rows).sampled_token_ids, minlength=4)
+    assert counts[2] == 0 and counts[3] == 0
+    assert abs(counts[0].item() / 2000 - 0.5 / 0.8) < 0.05
+    without = torch.bincount(
+        sample(logits, [row(seed=7, num_generated=i) for i in range(2000)]).sampled_token_ids,
+        minlength=4,
+    )
+    assert without[2] > 0 and without[3] > 0
+
+
+def test_penalties_match_hand_computed_reference() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]] * 2)
+    penalized = row(
+        prompt=[0, 1],
+        output=[2, 2, 3],
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
+    plain = row(prompt=[0, 1], output=[2, 2, 3])
+    metadata = SamplingMetadata.from_rows([penalized, plain], 6, CPU)
+    out = apply_penalties(logits, metadata)
+    # Repetition over prompt + output {0, 1, 2, 3}: 2/2, -1*2, 0.5/2, -0.5*2.
+    # Then output counts {2: 2, 3: 1}: token 2 -= 0.5 + 2 * 0.25, token 3 -= 0.5 + 0.25.
+    expected = torch.tensor([1.0, -2.0, 0.25 - 1.0, -1.0 - 0.75, 1.0, 3.0])
+    torch.testing.assert_close(out[0], expected)
+    torch.testing.assert_close(out[1], logits[1])
+
+
+def test_presence_penalty_changes_the_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.9]])
+    assert sample(logits, [row(temperature=0.0, output=[1])]).sampled_token_ids.item() == 1
+    penalized = row(temperature=0.0, output=[1], presence_penalty=0.5)
+    assert sample(logits, [penalized]).sampled_token_ids.item() == 2
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids() -> None:
+    eos_best = [0.0, 1.0, 3.0, 0.0, 2.0]  # EOS (2) best, stop token 4 second, token 1 third
+    stop_best = [0.0, 1.0, 2.0, 0.0, 3.0]  # stop token 4 best, EOS second
+    logits = torch.tensor([eos_best, eos_best, stop_best, stop_best, eos_best])
+    rows = [
+        row(temperature=0.0, num_generated=1, min_tokens=2, stop_token_ids=[4]),
+        row(temperature=0.0, num_generated=2, min_tokens=2, stop_token_ids=[4]),  # min reached
+        row(temperature=0.0, num_generated=0, min_tokens=2, stop_token_ids=[4]),
+        # EOS does not end an ignore_eos request, so only the stop token is banned.
+        row(temperature=0.0, num_generated=0, min_tokens=2, ignore_eos=True, stop_token_ids=[4]),
+        row(seed=3, num_generated=0, min_tokens=1, stop_token_ids=[4], top_k=1),
+    ]
+    assert sample(logits, rows).sampled_token_ids.tolist() == [1, 2, 1, 2, 1]
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    logits = random_logits(1, 1000).expand(4, 1000)
+    rows = [row(seed=12345, num_generated=7)] * 4
+    first = sample(logits, rows).sampled_token_ids
+    assert first.unique().numel() == 1
+    assert torch.equal(sample(logits, rows).sampled_token_ids, first)
+
+
+def test_seeded_sampling_is_batch_invariant() -> None:
+    logits = random_logits(16, 2000)
+    rows = [row(seed=1000 + i, num_generated=i, top_p=0.9, top_k=100 * (i % 3)) for i in range(16)]
+    full = sample(logits, rows).sampled_token_ids
+    order = list(range(16))
+    random.Random(0).shuffle(order)
+    shuffled = sample(logits[order], [rows[i] for i in order]).sampled_token_ids
+    assert torch.equal(shuffled, full[order])
+    for i in (0, 5, 15):
+        assert sample(logits[i : i + 1], [rows[i]]).sampled_token_ids.item() == full[i].item()
+    # Greedy neighbours and other features in the batch do not change a random row either.
+    extra = row(temperature=0.0, repetition_penalty=1.3, output=[1, 2], logprobs=3, min_p=0.1)
+    mixed = sample(torch.cat([logits[:1], logits[3:4]]), [extra, rows[3]]).sampled_token_ids
+    assert mixed[1].item() == full[3].item()
+
+
+def test_different_seeds_and_steps_give_different_tokens() -> None:
+    logits = torch.zeros(64, 1000)
+    by_seed = sample(logits, [row(seed=s, num_generated=3) for s in range(64)]).sampled_token_ids
+    by_step = sample(logits, [row(seed=5, num_generated=i) for i in range(64)]).sampled_token_ids
+    assert by_seed.unique().numel() > 50 and by_step.unique().numel() > 50
+
+
+def test_seed_accepts_any_python_int() -> None:
+    logits = torch.zeros(3, 1000)
+    out = sample(logits, [row(seed=s) for s in (-1, 2**64 - 1, 2**80 + 12345)])
+    assert (
+        out.sampled_token_ids.tolist()[:2]
+        == sample(logits[:2], [row(seed=2**64 - 1)] * 2).sampled_token_ids.tolist()
+    )
+    assert out.sampled_token_ids[2].item() != out.sampled_token_ids[0].item()
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize(
+    ("params", "support"),
+    [({"temperature": 0.7}, 8), ({"temperature": 1.3, "top_k": 3}, 3), ({"top_p": 0.6}, None)],
+)
+def test_sample_frequencies_match_the_filtered_softmax(params: dict, support: int | None) -> None:
+    num_samples = 4000
+    base = torch.tensor([1.0, 0.5, 0.2, 0.0, -0.3, -0.5, -1.0, -2.0])
+    temperature = float(params.get("temperature", 1.0))
+    probs = torch.softmax(base / temperature, dim=-1)
+    if support is None:
+        # top_p 0.6 over probs sorted descending: the smallest prefix with mass >= 0.6.
+        mass_before = probs.cumsum(-1) - probs
+        support = int((mass_before < params["top_p"]).sum())
+    probs[support:] = 0
+    probs /= probs.sum()
+    rows = [row(seed=99, num_generated=i, **params) for i in range(num_samples)]
+    sampled = sample(base.expand(num_samples, 8), rows).sampled_token_ids
+    counts = torch.bincount(sampled, minlength=8).float()
+    assert counts[support:].sum() == 0
+    # Critical value of chi-square with <= 7 degrees of freedom at p = 0.001 is 24.3.
+    assert _chi_square(counts, probs) < 24.3
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
+    logits = random_logits(6, 300)
+    rows = [
+        row(seed=i, temperature=2.0, repetition_penalty=1.5, output=[3], logprobs=i % 3 or None)
+        for i in range(6)
+    ]
+    out = sample(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprob_token_ids.shape == (6, 3) and out.logprobs.shape == (6, 3)
+    assert torch.equal(out.logprob_token_ids[:, 0], out.sampled_token_ids)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.logprob_token_ids))
+    top = raw.topk(2, dim=-1)
+    assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
+    order = raw.argsort(dim=-1, descending=True)
+    expected_ranks = (order == out.sampled_token_ids.unsqueeze(1)).int().argmax(dim=-1) + 1
+    assert torch.equal(out.sampled_ranks, expected_ranks)
+    assert out.sampled_ranks.max() > 1
+
+
+def test_greedy_logprobs_rank_one() -> None:
+    logits = random_logits(3, 50)
+    out = sample(logits, [row(temperature=0.0, logprobs=0)] * 3)
+    assert out.logprobs.shape == (3, 1)
+    assert out.sampled_ranks.tolist() == [1, 1, 1]
+
+
+def test_hash32_matches_python_reference() -> None:
+    def reference(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    rng = random.Random(0)
+    values = [0, 1, 2**31, 2**32 - 1, *(rng.getrandbits(32) for _ in range(2000))]
+    assert hash32(torch.tensor(values)).tolist() == [reference(v) for v in values]
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval() -> None:
+    uniform = uniform_from_hash(torch.tensor([0, 2**31, 2**32 - 1]))
+    assert uniform.dtype == torch.float32
+    assert 0.0 < uniform[0] < 1e-6 and 1.0 - 1e-6 < uniform[2] < 1.0
+    noise = -torch.log(uniform)
+    assert bool((noise > 0).all() and noise.isfinite().all())
+
+
+def test_big_batch_is_fast() -> None:
+    vocab_size = 50_000
+    logits = random_logits(64, vocab_size)
+    rows = [
+        row(
+            seed=i,
+            output=list(range(i, i + 50)),
+            prompt=list(range(200)),
+            temperature=0.0 if i % 4 == 0 else 0.8,
+            top_p=0.9 if i % 2 else 1.0,
+            top_k=40 if i % 3 == 0 else -1,
+            min_p=0.05 if i % 5 == 0 else 0.0,
+            repetition_penalty=1.1,
+            frequency_penalty=0.2,
+            logprobs=5 if i % 2 else None,
+            min_tokens=60,
+            max_tokens=100,
+        )
+        for i in range(64)
+    ]
+    # One intra-op thread: on a shared 2-vCPU box a busy second core stalls every OpenMP region
+    # (elementwise ops measured 10x slower), which would time the neighbours, not the sampler.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sample(logits, rows)  # warm-up
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            out = sample(logits, rows)
+            timings.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(num_threads)
+    assert out.sampled_token_ids.shape == (64,)
+    assert not math.isnan(out.logprobs.sum().item())
+    # Typically ~0.4 s on one CPU thread, most of it the full-vocab sort that top-p needs.
+    assert min(timings) < 0.8, f"64 x 50k sampling took {min(timings):.3f}s"
