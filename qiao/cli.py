@@ -133,6 +133,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(argv: list[str]) -> int:
+    from qiao.api.server import run_server
+    from qiao.api.settings import load_settings
+
+    run_server(load_settings(argv))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qiao", description="qiao: LLM inference engine and server"
@@ -150,12 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     _add_sampling_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+    sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API (qiao serve --help lists every flag)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["serve"]:
+            # `serve` owns its flags: one pydantic-settings schema (CLI, QIAO_* env, config file).
+            return _cmd_serve(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except QiaoError as exc:
         print(f"qiao: error: {exc}", file=sys.stderr)

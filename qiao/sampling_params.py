@@ -45,7 +45,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(
+            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
+        )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
@@ -80,7 +82,9 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -19,6 +19,7 @@ LAYERS = {
     "qiao.runner": 4,
     "qiao.engine": 5,
     "qiao.entrypoints": 6,
+    "qiao.api": 6,
     "qiao.cli": 7,
 }
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     max_query_len: int
     max_seq_len: int
+    # Whatever the attention backend derives from this layout, computed by the first layer and
+    # reused by the others (the layout is the same for every layer of a step).
+    backend_plan: Any = field(default=None, repr=False)
 
     @property
     def query_lens_cpu(self) -> np.ndarray:

@@ -67,7 +67,20 @@ class EngineClient(ABC):
         """
 
     @abstractmethod
-    async def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request wherever it is (never blocks); an open stream gets its final output."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
 
     @abstractmethod
     def health(self) -> EngineHealth: ...
@@ -123,7 +136,7 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self.finished:
             self.finished = True
-            await self.engine.abort(self.request_id)
+            self.engine.abort(self.request_id)
         self.engine._queues.pop(self.request_id, None)
 
 
@@ -132,11 +145,10 @@ class AsyncEngine(EngineClient):
         self,
         engine: LLMEngine,
         limits: AdmissionLimits | None = None,
-        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits or AdmissionLimits()
-        self._on_outputs = on_outputs
+        self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._commands: list[_Add | _Abort] = []
@@ -167,10 +179,14 @@ class AsyncEngine(EngineClient):
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def add_output_listener(self, listener: Callable[[list[RequestOutput]], None]) -> None:
+        """Call `listener(outputs)` on the event loop with every step's outputs (for metrics)."""
+        self._listeners.append(listener)
+
     def num_unfinished(self) -> int:
         return len(self._queues)
 
-    async def abort_all(self, reason: str = "abort") -> None:
+    def abort_all(self, reason: str = "abort") -> None:
         with self._lock:
             self._commands.extend(_Abort(rid, reason) for rid in self._queues)
         self._wakeup.set()
@@ -193,11 +209,22 @@ class AsyncEngine(EngineClient):
         self._admit(_Add(request_id, prompt_token_ids, params, priority, deadline), queue)
         return RequestStream(self, request_id, queue)
 
-    async def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
-            self._queues.pop(request_id, None)
             self._commands.append(_Abort(request_id, reason))
         self._wakeup.set()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.arch.vocab_size
 
     def health(self) -> EngineHealth:
         if self._thread is None or not self._thread.is_alive():
@@ -246,8 +273,8 @@ class AsyncEngine(EngineClient):
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
-        if self._on_outputs is not None:
-            self._on_outputs(outputs)
+        for listener in self._listeners:
+            listener(outputs)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         queue = self._queues.get(request_id)

@@ -51,7 +51,9 @@ class TorchRefBackend(AttentionBackend):
     ) -> torch.Tensor:
         _write_kv(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
-        for group in _plan_groups(metadata, query.device):
+        if metadata.backend_plan is None:
+            metadata.backend_plan = _plan_groups(metadata, query.device)
+        for group in metadata.backend_plan:
             grid = _attend_group(query, kv_cache, metadata, group, scale, sliding_window)
             out[group.valid_rows] = grid.flatten(0, 1)[group.valid_slots]
         return out

@@ -1,0 +1,157 @@
+"""Request limits and the wire → `SamplingParams` mapping, checked before any engine work.
+
+Every breach raises `APIError(400, ...)` naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+from qiao.api.errors import APIError
+from qiao.api.protocol import ChatCompletionRequest, CompletionRequest
+from qiao.api.settings import ServeSettings
+from qiao.errors import ConfigError
+from qiao.sampling_params import SamplingParams
+
+
+def check_request_fields(
+    req: CompletionRequest | ChatCompletionRequest, settings: ServeSettings
+) -> None:
+    """Limits that need no tokenization."""
+    if req.n > settings.max_n:
+        raise APIError(
+            400, f"n: at most {settings.max_n} samples per prompt, got {req.n}", param="n"
+        )
+    stops = stop_list(req)
+    if len(stops) > settings.max_stop_sequences:
+        raise APIError(
+            400,
+            f"stop: at most {settings.max_stop_sequences} stop sequences, got {len(stops)}",
+            param="stop",
+        )
+    for stop in stops:
+        if not stop:
+            raise APIError(400, "stop: stop sequences must not be empty", param="stop")
+        if len(stop) > settings.max_stop_length:
+            raise APIError(
+                400,
+                f"stop: each stop sequence is at most {settings.max_stop_length} characters, "
+                f"got one of {len(stop)}",
+                param="stop",
+            )
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if (
+        req.timeout is not None
+        and settings.max_timeout is not None
+        and req.timeout > settings.max_timeout
+    ):
+        raise APIError(
+            400,
+            f"timeout: at most {settings.max_timeout} seconds, got {req.timeout}",
+            param="timeout",
+        )
+    if isinstance(req, CompletionRequest):
+        _check_completion_fields(req, settings)
+    else:
+        _check_chat_fields(req, settings)
+
+
+def _check_completion_fields(req: CompletionRequest, settings: ServeSettings) -> None:
+    if req.logprobs is not None and req.logprobs > settings.max_top_logprobs:
+        raise APIError(
+            400,
+            f"logprobs: at most {settings.max_top_logprobs}, got {req.logprobs}",
+            param="logprobs",
+        )
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
+
+
+def _check_chat_fields(req: ChatCompletionRequest, settings: ServeSettings) -> None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if req.top_logprobs > settings.max_top_logprobs:
+            raise APIError(
+                400,
+                f"top_logprobs: at most {settings.max_top_logprobs}, got {req.top_logprobs}",
+                param="top_logprobs",
+            )
+    if req.tools:
+        raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400, "response_format: only type 'text' is supported", param="response_format"
+        )
+
+
+def stop_list(req: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    settings: ServeSettings,
+    *,
+    prompt_param: str,
+    param: str,
+) -> int:
+    """New-token budget: what was asked, within the context and the server's cap."""
+    if num_prompt_tokens == 0:
+        raise APIError(400, f"{prompt_param}: must not be empty", param=prompt_param)
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            f"{prompt_param}: the prompt is {num_prompt_tokens} tokens but the model's context is "
+            f"{max_model_len} tokens, leaving no room to generate",
+            param=prompt_param,
+        )
+    cap = settings.max_tokens_limit
+    if requested is None:
+        return min(room, cap) if cap is not None else room
+    if cap is not None and requested > cap:
+        raise APIError(400, f"{param}: at most {cap} on this server, got {requested}", param=param)
+    if requested > room:
+        raise APIError(
+            400,
+            f"{param}: the prompt is {num_prompt_tokens} tokens and the context {max_model_len}, "
+            f"so at most {room} new tokens fit; got {requested}",
+            param=param,
+        )
+    return requested
+
+
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=min(req.min_tokens, max_tokens),
+            stop=stop_list(req),
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=num_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ConfigError as exc:
+        field = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(exc).removeprefix("SamplingParams."), param=field) from None

@@ -1,0 +1,126 @@
+"""ASGI middleware: API-key auth, request-size limit, HTTP status counting.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass through
+untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from qiao.api.errors import error_body
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Liveness and readiness stay open so orchestrators can probe without credentials.
+PUBLIC_PATHS = frozenset({"/health/live", "/health/ready"})
+
+
+async def send_error(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """Every route but the health probes needs `Authorization: Bearer <key>` when keys are set."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await send_error(
+                send,
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # Compare against every key, in constant time each, so timing reveals nothing.
+        matches = [hmac.compare_digest(token, key) for key in self.keys]
+        return any(matches)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes` with 413, by Content-Length or while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await send_error(
+                send, 413, f"request body is {int(length)} bytes; the limit is {self.max_bytes}"
+            )
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # The app's error handler turns this into the 413 envelope.
+                    raise HTTPException(
+                        413, f"request body exceeds the limit of {self.max_bytes} bytes"
+                    )
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class StatusCountMiddleware:
+    """Counts responses by route template and status code."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                self.count(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
