@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from qiao.bench.cli import add_bench_subcommands
 from qiao.errors import QiaoError
 
 
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a model over the OpenAI API (qiao serve --help lists every flag)",
         add_help=False,
     )
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: hw, throughput, latency, serve",
+        description="Benchmarks that report against this machine's measured ceilings and, "
+        "with --compare hf, beside Hugging Face transformers in the same run.",
+    )
+    add_bench_subcommands(bench)
     return parser
 
 

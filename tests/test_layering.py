@@ -21,6 +21,7 @@ LAYERS = {
     "qiao.entrypoints": 6,
     "qiao.api": 6,
     "qiao.cli": 7,
+    "qiao.bench": 7,
 }
 
 

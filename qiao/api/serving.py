@@ -115,7 +115,8 @@ async def collect(job: Job, request: Request) -> list[Sample]:
         watcher.cancel()
         if not work.done():
             work.cancel()  # the client left: consume()'s finally aborts the requests
-    if work.cancelled():
+    # cancel() only requests cancellation, so a just-cancelled task is not done yet.
+    if not work.done() or work.cancelled():
         raise APIError(499, "client closed the request")
     samples = work.result()
     _raise_for_unfinished(samples)

@@ -231,6 +231,9 @@ def load_settings(argv: Sequence[str]) -> ServeSettings:
         return ServeSettings(_cli_settings_source=cli)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+    finally:
+        # The file belongs to this call: settings built later (ServeSettings()) must not see it.
+        _FILE_VALUES.clear()
 
 
 def _find_config_path(argv: Sequence[str]) -> Path | None:

@@ -29,6 +29,9 @@ from qiao.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Longest single idle wait of the engine thread when a deadline is pending; it re-checks after.
+_MAX_WAIT_S = 3600.0
+
 
 @dataclass(frozen=True)
 class EngineHealth:
@@ -309,7 +312,8 @@ class AsyncEngine(EngineClient):
     def _wait_for_work(self) -> None:
         timeout = self.limits.log_interval or None
         if self._deadlines:
-            until_deadline = max(self._deadlines[0][0] - time.monotonic(), 0.0)
+            # Capped: a far deadline (a client may send `timeout: 1e308`) would overflow the wait.
+            until_deadline = min(max(self._deadlines[0][0] - time.monotonic(), 0.0), _MAX_WAIT_S)
             timeout = until_deadline if timeout is None else min(timeout, until_deadline)
         self._wakeup.wait(timeout)
         self._wakeup.clear()

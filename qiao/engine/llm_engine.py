@@ -53,7 +53,9 @@ class LLMEngine:
             load_format=mc.load_format,
         )
         cache = config.cache
-        max_useful = config.scheduler.max_num_seqs * self.max_model_len
+        # Every running sequence at full length, each rounding up to whole blocks.
+        blocks_per_seq = -(-self.max_model_len // cache.block_size)
+        max_useful = config.scheduler.max_num_seqs * blocks_per_seq
         self.num_kv_blocks = self.runner.determine_num_blocks(cache, max_useful)
         self.runner.init_kv_cache(self.num_kv_blocks, cache.block_size)
         self.block_manager = BlockManager(

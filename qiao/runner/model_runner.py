@@ -62,10 +62,10 @@ class ModelRunner:
             * elem
         )
 
-    def determine_num_blocks(self, cache: CacheConfig, max_useful_tokens: int) -> int:
-        """Pool size from the cache config; never more than `max_useful_tokens` can fill."""
+    def determine_num_blocks(self, cache: CacheConfig, max_useful_blocks: int) -> int:
+        """Pool size from the cache config; by default never more than can ever be in use."""
         per_block = self.kv_bytes_per_block(cache.block_size)
-        useful = -(-max_useful_tokens // cache.block_size)
+        useful = max_useful_blocks
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if cache.kv_cache_memory is not None:
