@@ -1,0 +1,163 @@
+"""What the offline benchmarks share: length distributions, the model under test, random
+prompts, the engine build, and JSON output."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import random
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qiao.bench.shapes import write_shape_dir
+from qiao.errors import ConfigError
+
+if TYPE_CHECKING:
+    from qiao.entrypoints.llm import LLM
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A length: fixed ("128") or uniform over an inclusive range ("64:256")."""
+
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str) -> LengthSpec:
+        lo_text, sep, hi_text = text.partition(":")
+        try:
+            lo = int(lo_text)
+            hi = int(hi_text) if sep else lo
+        except ValueError:
+            raise ValueError(f"length {text!r}: expected N or LO:HI (integers)") from None
+        if not 1 <= lo <= hi:
+            raise ValueError(f"length {text!r}: need 1 <= LO <= HI")
+        return cls(lo, hi)
+
+    def sample(self, rng: random.Random, count: int) -> list[int]:
+        return [rng.randint(self.lo, self.hi) for _ in range(count)]
+
+    def __str__(self) -> str:
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (random token ids) and how many tokens to generate after each."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    num_prompts: int, input_len: LengthSpec, output_len: LengthSpec, vocab_size: int, seed: int
+) -> Workload:
+    """Seeded random token-id prompts. Ids are drawn uniformly from the whole vocabulary: with
+    random weights no id is special, and EOS is ignored."""
+    rng = random.Random(seed)
+    input_lens = input_len.sample(rng, num_prompts)
+    output_lens = output_len.sample(rng, num_prompts)
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+@contextlib.contextmanager
+def model_dir(model: str | None, shape: str | None) -> Iterator[Path]:
+    """The checkpoint directory under test: `model` itself, or a temporary directory holding
+    the built-in `shape`'s config.json (removed afterwards)."""
+    if (model is None) == (shape is None):
+        raise ConfigError("give exactly one of --model and --shape")
+    if model is not None:
+        yield Path(model).expanduser()
+        return
+    with tempfile.TemporaryDirectory(prefix=f"qiao-bench-{shape}-") as tmp:
+        yield write_shape_dir(shape, tmp)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """How to build the engine under test (the `LLM` keyword arguments a benchmark varies)."""
+
+    load_format: str
+    dtype: str
+    quantization: str | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    seed: int = 0
+
+
+def context_len(num_tokens: int) -> int:
+    """`max_model_len` for sequences of up to `num_tokens`, rounded up to a multiple of 128.
+
+    The engine sizes its KV pool as max_num_seqs x max_model_len tokens; a multiple of every
+    block size keeps that pool from falling a block short per sequence, which would preempt.
+    """
+    return -(-num_tokens // 128) * 128
+
+
+def build_llm(path: Path, args: EngineArgs) -> LLM:
+    """An `LLM` without tokenizer. Prefix caching is off: a benchmark measures computing
+    prompts, and reruns of the same prompts would otherwise be cache hits."""
+    from qiao.entrypoints.llm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        seed=args.seed,
+    )
+    if args.quantization is not None:
+        if "quantization" not in inspect.signature(LLM.__init__).parameters:
+            raise ConfigError(
+                "--quantization: this qiao's LLM(...) takes no `quantization` argument; "
+                "run without --quantization"
+            )
+        kwargs["quantization"] = args.quantization
+    return LLM(str(path), **kwargs)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if not numerator or not denominator:
+        return None
+    return numerator / denominator
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def weight_bytes_per_decode_step(model: Any) -> int:
+    """Bytes of weights one decode step reads: every parameter and weight buffer once, except
+    the input embedding table, of which a step reads only one row per sequence. With tied
+    embeddings the table is read whole by the lm_head, so it counts."""
+    tied = getattr(model, "lm_head", None) is None
+    total = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if "rotary" in name or (not tied and "embed_tokens" in name):
+            continue
+        total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,181 @@
+"""This machine's ceilings: memory-copy bandwidth and matmul rates per dtype.
+
+Every other benchmark reports its speed as a share of these: decode reads every weight once per
+step, so its floor is weight bytes / copy bandwidth; prefill multiplies big matrices, so its
+ceiling is the matmul rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# (M, K, N): activations [M, K] times weights [K, N]. Decode multiplies a few rows by a weight
+# matrix (reads dominate); prefill multiplies hundreds of rows (compute dominates).
+DECODE_SHAPES = ((1, 2048, 2048), (1, 2048, 8192), (16, 2048, 2048), (64, 2048, 2048))
+PREFILL_SHAPES = ((512, 2048, 2048), (512, 2048, 8192))
+QUICK_SHAPES = ((1, 1024, 1024), (256, 1024, 1024))
+DTYPES = ("float32", "bfloat16", "int8")
+COPY_MIB = 256
+QUICK_COPY_MIB = 32
+
+
+@dataclass(frozen=True)
+class MatmulResult:
+    dtype: str  # "int8" means int8 weights, bfloat16 activations, per-channel scales
+    m: int
+    k: int
+    n: int
+    seconds: float  # median of one call
+    gflops: float  # 2*M*K*N / seconds / 1e9
+    weight_gbps: float  # weight bytes read / seconds / 1e9
+
+
+@dataclass
+class HwReport:
+    device: str
+    num_threads: int
+    copy_gbps: float  # (bytes read + bytes written) / seconds / 1e9, median
+    copy_mib: int
+    matmuls: list[MatmulResult] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # dtype -> why it was not measured
+
+    def ceiling_gflops(self, dtype: str) -> float | None:
+        """The best matmul rate measured for `dtype`: the compute ceiling."""
+        rates = [r.gflops for r in self.matmuls if r.dtype == dtype]
+        return max(rates) if rates else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ceiling_gflops"] = {dt: self.ceiling_gflops(dt) for dt in DTYPES}
+        return d
+
+
+def median_time(fn: Callable[[], object], min_time: float, min_iters: int = 3) -> float:
+    """Median seconds of one `fn()` call, after a warm-up call, over at least `min_iters`
+    calls and `min_time` seconds."""
+    fn()
+    times: list[float] = []
+    total = 0.0
+    while len(times) < min_iters or total < min_time:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        total += times[-1]
+    return statistics.median(times)
+
+
+def measure_copy_gbps(size_mib: int = COPY_MIB, runs: int = 5) -> float:
+    """Copy bandwidth of a `size_mib` tensor, far larger than caches: read + write bytes/s."""
+    src = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), min_time=0.0, min_iters=runs)
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def int8_supported() -> str | None:
+    """None when `torch._weight_int8pack_mm` runs here; else why not."""
+    try:
+        x = torch.ones(2, 64, dtype=torch.bfloat16)
+        w = torch.ones(32, 64, dtype=torch.int8)
+        torch._weight_int8pack_mm(x, w, torch.ones(32, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return f"torch._weight_int8pack_mm unavailable: {str(e).splitlines()[0]}"
+    return None
+
+
+def measure_matmul(dtype: str, m: int, k: int, n: int, min_time: float) -> MatmulResult:
+    fn, weight_bytes = _matmul_fn(dtype, m, k, n)
+    seconds = median_time(fn, min_time)
+    return MatmulResult(
+        dtype, m, k, n, seconds, 2 * m * k * n / seconds / 1e9, weight_bytes / seconds / 1e9
+    )
+
+
+def _matmul_fn(dtype: str, m: int, k: int, n: int) -> tuple[Callable[[], object], int]:
+    """The timed call and the weight bytes it reads."""
+    gen = torch.Generator().manual_seed(0)
+    if dtype == "int8":
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = torch.rand(n, generator=gen).to(torch.bfloat16)
+        return (lambda: torch._weight_int8pack_mm(x, w, scales)), w.numel() + 2 * n
+    torch_dtype = getattr(torch, dtype)
+    x = torch.randn(m, k, generator=gen).to(torch_dtype)
+    # Stored [N, K] and transposed, as nn.Linear does.
+    w = torch.randn(n, k, generator=gen).to(torch_dtype)
+    return (lambda: torch.nn.functional.linear(x, w)), w.numel() * w.element_size()
+
+
+@torch.inference_mode()
+def run_hw(
+    dtypes: tuple[str, ...] = DTYPES, quick: bool = False, min_time: float | None = None
+) -> HwReport:
+    """Measure copy bandwidth and every (dtype, shape) matmul. `quick`: small sizes, for tests
+    and for the in-run ceiling of other benchmarks."""
+    shapes = QUICK_SHAPES if quick else DECODE_SHAPES + PREFILL_SHAPES
+    min_time = min_time if min_time is not None else (0.05 if quick else 0.25)
+    copy_mib = QUICK_COPY_MIB if quick else COPY_MIB
+    report = HwReport(
+        device=_device_name(),
+        num_threads=torch.get_num_threads(),
+        copy_gbps=measure_copy_gbps(copy_mib),
+        copy_mib=copy_mib,
+    )
+    for dtype in dtypes:
+        why_not = int8_supported() if dtype == "int8" else None
+        if why_not:
+            report.skipped[dtype] = why_not
+            continue
+        report.matmuls.extend(measure_matmul(dtype, m, k, n, min_time) for m, k, n in shapes)
+    return report
+
+
+@torch.inference_mode()
+def measure_ceiling_gflops(dtype: str = "float32", quick: bool = False) -> float:
+    """The matmul ceiling alone: the best rate over the prefill shapes (quick: one small one)."""
+    shapes = QUICK_SHAPES[-1:] if quick else PREFILL_SHAPES
+    min_time = 0.05 if quick else 0.3
+    return max(measure_matmul(dtype, m, k, n, min_time).gflops for m, k, n in shapes)
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    # platform.processor() is often empty or just "x86_64" on Linux; cpuinfo names the part.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def format_hw(report: HwReport) -> str:
+    lines = [
+        f"device: {report.device}, torch threads: {report.num_threads}",
+        f"memory copy bandwidth: {report.copy_gbps:.1f} GB/s (read + write, "
+        f"{report.copy_mib} MiB tensor, median)",
+        "",
+        f"{'dtype':<9} {'M':>5} {'K':>5} {'N':>5} {'ms':>9} {'GFLOP/s':>9} {'weight GB/s':>12}",
+    ]
+    for r in report.matmuls:
+        lines.append(
+            f"{r.dtype:<9} {r.m:>5} {r.k:>5} {r.n:>5} {r.seconds * 1e3:>9.3f} "
+            f"{r.gflops:>9.1f} {r.weight_gbps:>12.1f}"
+        )
+    lines.append("")
+    for dtype in DTYPES:
+        ceiling = report.ceiling_gflops(dtype)
+        if ceiling is not None:
+            lines.append(f"ceiling {dtype}: {ceiling:.1f} GFLOP/s")
+    lines.extend(f"skipped {dtype}: {why}" for dtype, why in report.skipped.items())
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Summaries, the text table and the plot of `qiao bench serve`."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from qiao.bench.serve import RequestResult
+
+PERCENTILES = (50, 90, 99)
+_METRICS = (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    points = np.percentile(np.asarray(values), PERCENTILES)
+    return {
+        "mean": float(np.mean(values)),
+        **{f"p{p}": float(x) for p, x in zip(PERCENTILES, points, strict=True)},
+    }
+
+
+def _mean_itl(result: RequestResult) -> float:
+    return sum(result.itls) / len(result.itls) if result.itls else 0.0
+
+
+def summarize(
+    rate: float, results: list[RequestResult], seconds: float, slo_ttft: float, slo_itl: float
+) -> dict[str, Any]:
+    """One rate's figures. Throughputs divide by the wall time from the first arrival to the
+    last completion. Goodput counts the completed requests whose TTFT <= slo_ttft and whose
+    mean ITL (time per output token after the first) <= slo_itl."""
+    ok = [r for r in results if r.ok]
+    errors = Counter(r.error for r in results if not r.ok)
+    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft and _mean_itl(r) <= slo_itl]
+    num_output = sum(r.num_output_tokens for r in ok)
+    prompt_counts = [r.num_prompt_tokens for r in ok]
+    num_prompt = None if None in prompt_counts else sum(prompt_counts)
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_errors": len(results) - len(ok),
+        "errors": dict(errors.most_common(5)),
+        "duration_s": seconds,
+        "num_output_tokens": num_output,
+        "num_prompt_tokens": num_prompt,
+        "request_throughput": len(ok) / seconds,
+        "output_token_throughput": num_output / seconds,
+        "total_token_throughput": None
+        if num_prompt is None
+        else (num_prompt + num_output) / seconds,
+        "goodput": len(good) / seconds,
+        "slo": {"ttft_s": slo_ttft, "itl_s": slo_itl},
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": _stats([x for r in ok for x in r.itls]),
+        "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def format_serve(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [
+        f"serve: {c['base_url']} model {report['model']!r}, /{c['endpoint']}, input "
+        f"{c['input_len']} words, output {c['output_len']} tokens; "
+        f"SLO TTFT <= {c['slo_ttft']} s, mean ITL <= {c['slo_itl']} s",
+        f"{'rate':>6} {'done':>5} {'err':>4} {'req/s':>7} {'tok/s':>8} {'good/s':>7}  "
+        + "  ".join(f"{name + ' p50/p90/p99 ms':>24}" for _, name in _METRICS),
+    ]
+    for r in report["rates"]:
+        cells = ["/".join(_ms(r[key][f"p{p}"]) for p in PERCENTILES) for key, _ in _METRICS]
+        lines.append(
+            f"{r['request_rate']!s:>6} {r['num_completed']:>5} {r['num_errors']:>4} "
+            f"{r['request_throughput']:>7.2f} {r['output_token_throughput']:>8.1f} "
+            f"{r['goodput']:>7.2f}  " + "  ".join(f"{cell:>24}" for cell in cells)
+        )
+        lines.extend(f"       error x{n}: {msg}" for msg, n in r["errors"].items())
+    return "\n".join(lines)
+
+
+def plot_serve(report: dict[str, Any], path: str | Path) -> None:
+    """Latency percentiles (TTFT, ITL, E2E) against the offered request rate, as a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = report["rates"]
+    # Categorical x positions: an infinite rate ("inf") has no place on a numeric axis.
+    x = list(range(len(rates)))
+    fig, axes = plt.subplots(1, len(_METRICS), figsize=(5 * len(_METRICS), 4), squeeze=False)
+    for ax, (key, name) in zip(axes[0], _METRICS, strict=True):
+        for p in PERCENTILES:
+            y = [r[key][f"p{p}"] for r in rates]
+            y = [math.nan if v is None else v * 1e3 for v in y]
+            ax.plot(x, y, marker="o", label=f"p{p}")
+        ax.set_title(f"{name} (ms)")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_xticks(x, [str(r["request_rate"]) for r in rates])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['model']} at {report['config']['base_url']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
