@@ -135,10 +135,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(argv: list[str]) -> int:
-    from qiao.api.server import run_server
     from qiao.api.settings import load_settings
 
-    run_server(load_settings(argv))
+    settings = load_settings(argv)
+    settings.check_security()  # before loading torch and the model: refuse fast
+    from qiao.api.server import run_server
+
+    run_server(settings)
     return 0
 
 

@@ -10,6 +10,9 @@ from qiao.errors import ConfigError
 # A request with no seed of its own draws one from the engine, so every request samples through
 # the same seeded path and is reproducible from its seed alone.
 
+# Temperatures below this are greedy: dividing logits by them would overflow float32.
+_GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -50,7 +53,11 @@ class SamplingParams:
         )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
             self.repetition_penalty > 0.0,
@@ -95,7 +102,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_TEMPERATURE
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)

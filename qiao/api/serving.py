@@ -118,7 +118,10 @@ async def collect(job: Job, request: Request) -> list[Sample]:
     # cancel() only requests cancellation, so a just-cancelled task is not done yet.
     if not work.done() or work.cancelled():
         raise APIError(499, "client closed the request")
-    samples = work.result()
+    try:
+        samples = work.result()
+    except Exception as exc:  # engine-side failures become their HTTP errors
+        raise as_api_error(exc) from None
     _raise_for_unfinished(samples)
     return samples
 

@@ -102,6 +102,13 @@ class _Add:
     arrival_time: float = field(default_factory=time.monotonic)
 
 
+def _engine_failed(exc: Exception) -> EngineUnavailableError:
+    # The type only: the message may carry internals; the log has the traceback.
+    return EngineUnavailableError(
+        f"the engine failed while serving this request ({type(exc).__name__}); retry"
+    )
+
+
 @dataclass
 class _Abort:
     request_id: str
@@ -290,24 +297,28 @@ class AsyncEngine(EngineClient):
         last_log = time.monotonic()
         last_counts = (0, 0)
         while not self._stopping:
-            outputs = self._apply_commands() + self._expire_deadlines()
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs += self.engine.step()
-                except Exception as exc:  # a bug in a step must not take the server down
-                    logger.exception("engine step failed; failing the requests in flight")
-                    outputs += self._fail_all(exc)
-            with self._lock:
-                self._progress_time = time.monotonic()
-                self._publish_stats()
-            if outputs:
-                self._post(self._deliver, outputs)
+            try:
+                self._iterate()
+            except Exception as exc:  # a bug anywhere in an iteration must not kill the loop
+                logger.exception("engine iteration failed; failing the requests in flight")
+                self._post(self._deliver, self._fail_all(exc))
             now = time.monotonic()
             if self.limits.log_interval and now - last_log >= self.limits.log_interval:
                 last_counts = self._log_throughput(now - last_log, last_counts)
                 last_log = now
             if not self.engine.has_unfinished_requests():
                 self._wait_for_work()
+
+    def _iterate(self) -> None:
+        """One turn of the loop: commands, deadlines, a step, then hand the outputs off."""
+        outputs = self._apply_commands() + self._expire_deadlines()
+        if self.engine.has_unfinished_requests():
+            outputs += self.engine.step()
+        with self._lock:
+            self._progress_time = time.monotonic()
+            self._publish_stats()
+        if outputs:
+            self._post(self._deliver, outputs)
 
     def _wait_for_work(self) -> None:
         timeout = self.limits.log_interval or None
@@ -338,6 +349,10 @@ class AsyncEngine(EngineClient):
             except QiaoError as exc:
                 self._post(self._fail, command.request_id, exc)
                 continue
+            except Exception as exc:  # a bug: this request fails, the loop goes on
+                logger.exception("adding request %s failed", command.request_id)
+                self._post(self._fail, command.request_id, _engine_failed(exc))
+                continue
             if command.deadline is not None:
                 heapq.heappush(self._deadlines, (command.deadline, command.request_id))
         return outputs
@@ -352,13 +367,21 @@ class AsyncEngine(EngineClient):
         return self.engine.abort_request(expired, reason="timeout")
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        """Fail every request in flight: those in the engine and those still in the API."""
         request_ids = list(self.engine.output_processor.states)
-        error = EngineUnavailableError(
-            f"the engine failed while serving this request ({type(exc).__name__})"
-        )
-        for request_id in request_ids:
+        with self._lock:
+            waiting = set(self._queues) | set(request_ids)
+            # Adds not applied yet are failed too: drop them so they never run unwatched.
+            self._commands = [c for c in self._commands if not isinstance(c, _Add)]
+        error = _engine_failed(exc)
+        for request_id in waiting:
             self._post(self._fail, request_id, error)
-        self.engine.abort_request(request_ids)
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("could not abort the failed requests")
+        with self._lock:
+            self._publish_stats()
         return []
 
     def _publish_stats(self) -> None:

@@ -100,8 +100,9 @@ class OutputProcessor:
             touched[parent_id] = None
             completion = state.completions[index]
             token_id = request.output_token_ids[-1]
+            prev = request.all_token_ids[-2]
             completion.token_ids.append(token_id)
-            self._add_logprobs(completion, runner_output, row_of[request.request_id])
+            self._add_logprobs(completion, runner_output, row_of[request.request_id], prev)
             detok = state.detokenizers[index]
             stop_str = detok.update([token_id]) if detok is not None else None
             if detok is not None:
@@ -181,7 +182,9 @@ class OutputProcessor:
             stop_reason=completion.stop_reason,
         )
 
-    def _add_logprobs(self, completion: CompletionOutput, out: ModelRunnerOutput, row: int) -> None:
+    def _add_logprobs(
+        self, completion: CompletionOutput, out: ModelRunnerOutput, row: int, prev: int
+    ) -> None:
         if completion.logprobs is None or out.logprobs is None or out.logprobs[row] is None:
             return
         ids, values = out.logprobs[row]
@@ -192,10 +195,18 @@ class OutputProcessor:
         }
         entry[ids[0]] = Logprob(values[0], rank=out.sampled_ranks[row])
         if self.tokenizer is not None:
-            for tid, logprob in entry.items():
-                logprob.decoded_token = self.tokenizer.decode([tid])
+            texts = self._token_texts(prev, list(entry))
+            for logprob, text in zip(entry.values(), texts, strict=True):
+                logprob.decoded_token = text
         completion.logprobs.append(entry)
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + values[0]
+
+    def _token_texts(self, prev: int, token_ids: list[int]) -> list[str]:
+        """Each token's text as it reads after `prev`: decoded in context, so SentencePiece
+        tokens keep their leading space. E.g. after "," the token "▁there" reads " there"."""
+        decode = self.tokenizer.decode
+        base = decode([prev])
+        return [decode([prev, tid])[len(base) :] for tid in token_ids]
 
     def _forget(self, state: RequestState) -> None:
         del self.states[state.request_id]

@@ -170,12 +170,6 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug (qiao/engine/output_processor.py): Logprob.decoded_token is "
-    "tokenizer.decode([id]) out of context, so SentencePiece tokens lose their leading space "
-    "and the logprob tokens / text_offset no longer line up with the text",
-)
 def test_logprob_tokens_spell_the_text(client: openai.OpenAI) -> None:
     response = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1
@@ -278,12 +272,6 @@ def test_errors_reach_the_client_as_openai_errors(client: openai.OpenAI) -> None
     assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sampler bug (qiao's sampling, not the API): logits / temperature overflows for a "
-    "temperature below ~1e-38, so temperature=1e-300 samples token 0 (<unk>) instead of "
-    "behaving like greedy",
-)
 def test_tiny_temperature_behaves_like_greedy(client: openai.OpenAI) -> None:
     response = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1e-300
