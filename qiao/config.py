@@ -100,6 +100,53 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
 
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory: float | None = None,
+        num_kv_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        device: str = "auto",
+        skip_tokenizer_init: bool = False,
+    ) -> EngineConfig:
+        """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
+        return cls(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                load_format=load_format,
+                max_model_len=max_model_len,
+                tokenizer=tokenizer,
+                skip_tokenizer_init=skip_tokenizer_init,
+                seed=seed,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                num_kv_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
+            ),
+            device=device,
+        )
+
     def __post_init__(self) -> None:
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
             _require(

@@ -16,7 +16,7 @@ import uvicorn
 
 from qiao.api.app import create_app
 from qiao.api.settings import ServeSettings
-from qiao.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
 from qiao.engine.llm_engine import LLMEngine
 
@@ -24,26 +24,20 @@ logger = logging.getLogger("qiao.server")
 
 
 def build_engine(settings: ServeSettings) -> AsyncEngine:
-    config = EngineConfig(
-        model=ModelConfig(
-            model=settings.model_path,
-            dtype=settings.dtype,
-            load_format=settings.load_format,
-            max_model_len=settings.max_model_len,
-            seed=settings.seed,
-        ),
-        cache=CacheConfig(
-            block_size=settings.block_size,
-            kv_cache_memory=settings.kv_cache_memory,
-            num_kv_blocks=settings.num_kv_blocks,
-            enable_prefix_caching=settings.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            enable_chunked_prefill=settings.enable_chunked_prefill,
-            policy=settings.scheduling_policy,
-        ),
+    config = EngineConfig.create(
+        settings.model_path,
+        dtype=settings.dtype,
+        load_format=settings.load_format,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        block_size=settings.block_size,
+        kv_cache_memory=settings.kv_cache_memory,
+        num_kv_blocks=settings.num_kv_blocks,
+        scheduling_policy=settings.scheduling_policy,
+        seed=settings.seed,
         device=settings.device,
     )
     limits = AdmissionLimits(

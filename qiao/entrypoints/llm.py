@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from qiao.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from qiao.config import EngineConfig
 from qiao.engine.llm_engine import LLMEngine, PromptType
 from qiao.errors import ConfigError
 from qiao.outputs import RequestOutput
@@ -25,52 +26,19 @@ class LLM:
     """
 
     def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        load_format: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        kv_cache_memory: float | None = None,
-        num_kv_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        device: str = "auto",
-        skip_tokenizer_init: bool = False,
-        trust_remote_code: bool = False,
+        self, model: str, *, trust_remote_code: bool = False, **engine_kwargs: Any
     ) -> None:
+        """`engine_kwargs` are `EngineConfig.create`'s: tokenizer, dtype, load_format,
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+        enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, scheduling_policy,
+        seed, device, skip_tokenizer_init."""
         if trust_remote_code:
             raise ConfigError("trust_remote_code: qiao never runs code shipped with a checkpoint")
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                load_format=load_format,
-                max_model_len=max_model_len,
-                tokenizer=tokenizer,
-                skip_tokenizer_init=skip_tokenizer_init,
-                seed=seed,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                num_kv_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=scheduling_policy,
-            ),
-            device=device,
-        )
+        accepted = inspect.signature(EngineConfig.create).parameters
+        unknown = sorted(set(engine_kwargs) - set(accepted))
+        if unknown:
+            raise ConfigError(f"LLM() got unknown argument(s): {', '.join(unknown)}")
+        config = EngineConfig.create(model, **engine_kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
