@@ -70,7 +70,7 @@ class Batch:
         self.kv_cache[0, block, position % BLOCK_SIZE] = self.keys[seq][position]
         self.kv_cache[1, block, position % BLOCK_SIZE] = self.values[seq][position]
 
-    def run(self, window: int | None) -> torch.Tensor:
+    def run(self, window: int | None, backend: str = "torch") -> torch.Tensor:
         query_lens = [q for _, q in self.shapes]
         seq_lens = [s for s, _ in self.shapes]
         metadata = build_attn_metadata(query_lens, seq_lens, self.block_tables, BLOCK_SIZE)
@@ -78,7 +78,7 @@ class Batch:
         new_values = torch.cat(
             [v[s - q :] for v, (s, q) in zip(self.values, self.shapes, strict=True)]
         )
-        return get_attention_backend("torch").forward(
+        return get_attention_backend(backend).forward(
             torch.cat(self.queries),
             new_keys,
             new_values,

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qiao"
 # Higher number = higher layer. Modules not listed are shared leaves that import no layer.
 LAYERS = {
     "qiao.hal": 0,
+    "qiao.kernels": 0,
     "qiao.attention": 1,
     "qiao.layers": 2,
     "qiao.models": 3,

@@ -292,3 +292,19 @@ def test_big_batch_is_fast() -> None:
     assert not math.isnan(out.logprobs.sum().item())
     # Typically ~0.4 s on one CPU thread, most of it the full-vocab sort that top-p needs.
     assert min(timings) < 0.8, f"64 x 50k sampling took {min(timings):.3f}s"
+
+
+def test_top_p_candidate_fast_path_equals_full_sort():
+    from qiao.runner.sampler import _sorted_cutoff, _top_k_top_p_cutoff
+
+    vocab = 5000
+    g = torch.Generator().manual_seed(5)
+    peaked = torch.randn(6, vocab, generator=g) * 12  # nucleus within the first candidates
+    flat = torch.randn(6, vocab, generator=g) * 0.1  # nucleus far wider: full-sort fallback
+    logits = torch.cat([peaked, flat])
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.7, 0.95] * 2)
+    for top_k in (None, torch.tensor([5, 300, vocab, 40, vocab, 1] * 2)):
+        fast = _top_k_top_p_cutoff(logits, top_k, top_p)
+        full = _sorted_cutoff(logits.sort(dim=-1, descending=True).values, top_k, top_p)
+        # Same kept set (a keep-everything row may report -inf instead of its smallest logit).
+        assert torch.equal(logits < fast, logits < full)

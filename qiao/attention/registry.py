@@ -5,17 +5,32 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
+
 from qiao.attention.backends.base import AttentionBackend
 from qiao.errors import ConfigError
 
 # name -> (module, class)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("qiao.attention.backends.torch_ref", "TorchRefBackend"),
+    "cpu": ("qiao.attention.backends.cpu_paged", "CpuPagedBackend"),
 }
 
 
 def available_attention_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """ "auto" -> the fastest backend this device has: the C++ kernel on CPU when it builds."""
+    if name != "auto":
+        return name
+    if device.type == "cpu":
+        from qiao.kernels import cpu_ops
+
+        if cpu_ops() is not None:
+            return "cpu"
+    return "torch"
 
 
 @functools.cache

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qiao.attention.backends.base import AttentionBackend
 from qiao.attention.metadata import AttentionMetadata
-from qiao.attention.registry import get_attention_backend
+from qiao.attention.registry import get_attention_backend, resolve_backend_name
 
 
 class Attention(nn.Module):
@@ -23,7 +24,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
-        backend: str = "torch",
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -31,7 +32,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        self.backend = get_attention_backend(backend)
+        # Resolved on the first forward, when the device is known ("auto" depends on it).
+        self.backend_name = backend
+        self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -40,6 +43,9 @@ class Attention(nn.Module):
         """q [T, H*D], k and v [T, Hkv*D] -> [T, H*D]."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
+        if self.backend is None:
+            name = resolve_backend_name(self.backend_name, self.kv_cache.device)
+            self.backend = get_attention_backend(name)
         out = self.backend.forward(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from qiao.errors import ConfigError
+from qiao.kernels import ops_for
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = {
@@ -92,7 +93,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos/sin [T, D]."""
+    """x [T, heads, D] rotated by cos/sin [T, D]. May rotate x in place and return it."""
+    ops = ops_for(x)
+    if ops is not None and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+        ops.rotary_(x, cos, sin)
+        return x
     cos, sin = cos[:, None, :], sin[:, None, :]
     return x * cos + _rotate_half(x) * sin
 

@@ -8,12 +8,12 @@ Order of operations (vLLM / OpenAI / HF conventions):
 4. Greedy rows take the argmax. Random rows: temperature, top-k, top-p, min-p, then sample.
 
 Seeded sampling is counter-based, so a row's token depends only on (seed, generation index,
-logits row), never on the batch around it. The noise for vocab id v of a row is
-`hash32(row_key(seed, generation index) ^ hash32(v))`, a 32-bit integer finaliser computed with
-plain int64 tensor ops; its top 23 bits give a uniform u in (0, 1) and `-log(u)` an Exp(1) draw E.
-`argmax(probs / E)` is an exact categorical draw (the exponential race: token v wins with
-probability probs[v] / sum(probs)). No generator state is shared between rows or steps, and a
-random batch needs no host round trip for its randomness.
+logits row), never on the batch around it. Each row draws one uniform
+u = hash32(seed, generation index) in (0, 1) (a 32-bit integer finaliser computed with plain
+int64 tensor ops; its top 23 bits) and takes the token where the row's cumulative probability,
+in vocabulary order, first reaches u (inverse-CDF sampling: token v is chosen with probability
+probs[v] / sum(probs)). No generator state is shared between rows or steps, one uniform per row
+is all the randomness a step needs, and a random batch needs no host round trip for it.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class Sampler(torch.nn.Module):
         scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p)
-        sampled = exponential_race(scaled.softmax(dim=-1), exponential_noise(metadata, logits))
+        sampled = inverse_cdf_sample(scaled.softmax(dim=-1), row_uniforms(metadata))
         if metadata.all_random:
             return sampled
         return torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
@@ -242,18 +242,68 @@ def _top_k_cutoff(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> 
     return cutoff.masked_fill(disabled, -math.inf)
 
 
+# Top-p first looks for its nucleus among this many most likely tokens (one partial top-k); a
+# row whose nucleus is wider falls back to a full sort. Trained models nearly always fit.
+_TOP_P_CANDIDATES = 256
+
+
 def _top_k_top_p_cutoff(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
 ) -> torch.Tensor:
     """[B, 1] smallest logit kept by top-k and then by top-p (over the top-k renormalised)."""
     vocab_size = logits.shape[-1]
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    num_kept = torch.full_like(top_p, vocab_size, dtype=torch.int64)
+    num_candidates = min(_TOP_P_CANDIDATES, vocab_size)
+    if num_candidates == vocab_size:
+        return _sorted_cutoff(logits.sort(dim=-1, descending=True).values, top_k, top_p)
+    candidates = logits.topk(num_candidates, dim=-1).values
+    full_total = logits.logsumexp(dim=-1)
+    # A row is exact on the candidates when its top-k lies inside them, or (no top-k) when the
+    # candidates already hold its nucleus mass p < 1. Others (rare) are sorted in full.
+    if top_k is None:
+        small_k = torch.zeros_like(top_p, dtype=torch.bool)
+        no_k = torch.ones_like(small_k)
+        total = full_total
+        kept = candidates
+    else:
+        small_k = top_k <= num_candidates
+        no_k = top_k >= vocab_size
+        in_top_k = torch.arange(num_candidates, device=logits.device) < top_k.unsqueeze(1)
+        kept = candidates.masked_fill(~in_top_k, -math.inf)
+        total = torch.where(small_k, kept.logsumexp(dim=-1), full_total)
+    mass = (candidates - full_total.unsqueeze(1)).exp().sum(dim=-1)
+    keeps_all = no_k & (top_p >= 1.0)
+    fits = small_k | keeps_all | (no_k & (mass >= top_p))
+    cutoff = _sorted_cutoff(kept, top_k, top_p, total=total)
+    cutoff = cutoff.masked_fill(keeps_all.unsqueeze(1), -math.inf)
+    if bool(fits.all()):
+        return cutoff
+    rows = (~fits).nonzero().squeeze(1)
+    full = _sorted_cutoff(
+        logits[rows].sort(dim=-1, descending=True).values,
+        None if top_k is None else top_k[rows],
+        top_p[rows],
+    )
+    return cutoff.index_copy(0, rows, full)
+
+
+def _sorted_cutoff(
+    sorted_logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The cutoff from a row's most likely logits in descending order (all of them, or a prefix
+    whose normaliser `total` (logsumexp of the kept distribution) is given)."""
+    width = sorted_logits.shape[-1]
+    num_kept = torch.full_like(top_p, width, dtype=torch.int64)
     if top_k is not None:
-        rank = torch.arange(vocab_size, device=logits.device)
-        sorted_logits.masked_fill_(rank >= top_k.unsqueeze(1), -math.inf)
-        num_kept = top_k
-    probs = sorted_logits.softmax(dim=-1)
+        rank = torch.arange(width, device=sorted_logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), -math.inf)
+        num_kept = top_k.clamp(max=width)
+    if total is None:
+        probs = sorted_logits.softmax(dim=-1)
+    else:
+        probs = (sorted_logits - total.unsqueeze(1)).exp()
     # A token stays while the mass ranked strictly before it is below p, so the nucleus is the
     # smallest prefix reaching p. E.g. p = 0.5, probs [0.4, 0.3, 0.3] -> mass before
     # [0, 0.4, 0.7] -> 2 kept. Rows with p = 1 skip this: rounding can push a tail token's mass
@@ -274,20 +324,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, -math.inf)
 
 
-def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One categorical draw per row: argmax(probs / E) with E ~ Exp(1) i.i.d. per token."""
-    return (probs / noise).argmax(dim=-1)
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One categorical draw per row: the first token whose cumulative probability reaches u.
+
+    E.g. probs [0.2, 0.0, 0.5, 0.3], u = 0.6 -> cdf [0.2, 0.2, 0.7, 1.0] -> token 2. A token of
+    probability 0 never wins: its cdf equals its predecessor's, which is found first.
+    """
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target).squeeze(1)
+    return index.clamp(max=probs.shape[-1] - 1)
 
 
-def exponential_noise(metadata: SamplingMetadata, logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] Exp(1) noise that is a pure function of (seed, generation index, vocab id)."""
+def row_uniforms(metadata: SamplingMetadata) -> torch.Tensor:
+    """[B] uniforms in (0, 1) that are a pure function of (seed, generation index)."""
     assert metadata.seed_lo is not None and metadata.seed_hi is not None
     assert metadata.generation_index is not None
-    row_key = hash32(
-        metadata.seed_lo ^ hash32(metadata.seed_hi ^ hash32(metadata.generation_index))
-    )
-    vocab_key = hash32(torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64))
-    return -torch.log(uniform_from_hash(hash32(row_key.unsqueeze(1) ^ vocab_key.unsqueeze(0))))
+    key = hash32(metadata.seed_lo ^ hash32(metadata.seed_hi ^ hash32(metadata.generation_index)))
+    return uniform_from_hash(hash32(key ^ 0x5BD1E995))
 
 
 def uniform_from_hash(x: torch.Tensor) -> torch.Tensor:

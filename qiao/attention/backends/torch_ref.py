@@ -49,7 +49,7 @@ class TorchRefBackend(AttentionBackend):
         num_kv_heads: int,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        _write_kv(kv_cache, key, value, metadata.slot_mapping)
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_groups(metadata, query.device)
@@ -59,7 +59,7 @@ class TorchRefBackend(AttentionBackend):
         return out
 
 
-def _write_kv(
+def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     # [2, num_blocks, block_size, Hkv, D] -> [2, num_slots, Hkv, D]

@@ -1,0 +1,21 @@
+"""Every environment variable qiao reads, in one place. Nothing else calls `os.getenv`.
+
+The server's own settings (`QIAO_PORT`, ...) are read by pydantic-settings in
+`qiao/api/settings.py`; this module holds the process-level switches below it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """QIAO_CACHE_DIR: where compiled kernels and tuning profiles live (~/.cache/qiao)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qiao"
+    return Path(os.environ.get("QIAO_CACHE_DIR", default))
+
+
+def disable_cpu_kernels() -> bool:
+    """QIAO_DISABLE_CPU_KERNELS=1: use the plain-PyTorch reference ops instead of the C++ ones."""
+    return os.environ.get("QIAO_DISABLE_CPU_KERNELS", "0") not in ("", "0", "false")

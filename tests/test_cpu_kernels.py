@@ -1,0 +1,67 @@
+"""The C++ CPU kernels against their plain-PyTorch references (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention_ref import MIXED, Batch
+
+from qiao.kernels import cpu_ops
+from qiao.layers.layernorm import RMSNorm
+from qiao.layers.rotary import RotaryEmbedding, apply_rotary
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="C++ CPU kernels could not be built here")
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 1, 5, 20])
+def test_paged_attention_matches_naive(num_heads, num_kv_heads, window):
+    batch = Batch(MIXED, num_heads, num_kv_heads)
+    out = batch.run(window, backend="cpu")
+    torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_long_contexts_match_reference():
+    shapes = [(300, 1), (77, 1), (260, 40), (129, 129), (1, 1)]
+    cpu = Batch(shapes, num_heads=9, num_kv_heads=3, num_blocks=256)
+    ref = Batch(shapes, num_heads=9, num_kv_heads=3, num_blocks=256)
+    torch.testing.assert_close(cpu.run(None, "cpu"), ref.run(None, "torch"), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rms_norm_and_fused_add(dtype, tol):
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.rand(96) + 0.5
+    norm = norm.to(dtype)
+    x = torch.randn(37, 96, dtype=dtype)
+    residual = torch.randn(37, 96, dtype=dtype)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), atol=tol, rtol=tol)
+    expected_residual = residual + x
+    expected = norm(expected_residual)
+    x2, r2 = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x2, r2, norm.weight, 1e-5)
+    torch.testing.assert_close(r2, expected_residual, atol=tol, rtol=tol)
+    torch.testing.assert_close(x2, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_silu_and_mul(dtype, tol):
+    x = torch.randn(23, 2 * 70, dtype=dtype) * 3
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rotary_in_place(dtype, tol):
+    rope = RotaryEmbedding(64, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 300, 1023, 2])
+    cos, sin = rope(positions, dtype)
+    qkv = torch.randn(6, 5 * 64, dtype=dtype)
+    q = qkv[:, : 3 * 64].view(6, 3, 64)  # a strided view, as the model passes it
+    expected = apply_rotary(q.clone(), cos, sin)
+    ops.rotary_(q, cos, sin)
+    torch.testing.assert_close(q, expected, atol=tol, rtol=tol)
