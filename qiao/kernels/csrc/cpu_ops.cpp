@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -15,39 +18,53 @@ namespace {
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
+// exp(x) for x <= 0 (softmax weights), written as plain arithmetic so loops over it vectorize.
+// 2^(x log2 e) = 2^n * 2^f, n = round(.), f in [-0.5, 0.5]; 2^f by a degree-6 polynomial
+// (relative error < 2e-7). x below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  const float scale_bits = static_cast<float>(static_cast<int32_t>(n) + 127) * 8388608.f;
+  bits = static_cast<int32_t>(scale_bits);
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -87.f ? 0.f : p * two_n;
+}
+
 template <typename T>
 inline T from_f(float v) { return static_cast<T>(v); }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Scratch: loads a row of any storage dtype as float32.
-template <typename T>
-inline const float* as_float(const T* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = to_f(src[i]);
-  return buf;
-}
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share each K/V block
 
 // out[t, h, :] = softmax(q[t, h] . K[ctx]) V[ctx] for every new token t over its sequence's
-// context, read block by block from the paged cache. Work item = (token, kv head): the group of
-// query heads that share one kv head reuses each K/V row it loads.
-template <typename T>
+// context, read block by block from the paged cache (no padded copy of the context).
+//
+// Work item = (sequence, kv head, tile of up to kQueryTile query tokens). For each block of the
+// context the item transposes the block's K rows once into Kt[d][i], so every (token, head)
+// score row is a run of vector FMAs over the block's positions (no horizontal reductions), and
+// reuses that block for the whole tile and for every query head of the kv head's group.
+// Softmax is online: running max m, sum l and output acc per (token, head), rescaled per block.
+template <typename T, int64_t block_size>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                           const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                           const torch::Tensor& seq_lens, double scale, int64_t window) {
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t block_stride = block_size * num_kv_heads * head_dim;  // elements per block
-  const int64_t kv_plane = kv_cache.size(1) * block_stride;           // K plane -> V plane
+  const int64_t row_stride = num_kv_heads * head_dim;              // between positions
+  const int64_t block_stride = block_size * row_stride;            // between blocks
+  const int64_t kv_plane = kv_cache.size(1) * block_stride;        // K plane -> V plane
 
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = kv_cache.data_ptr<T>();
@@ -57,69 +74,95 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
 
-  // token -> sequence, once per call. E.g. query_start_loc [0, 2, 5] -> [0, 0, 1, 1, 1]
-  std::vector<int32_t> seq_of(num_tokens);
+  // (sequence, first query index of the tile). E.g. query lens [1, 20] -> [(0,0), (1,0), (1,16)]
+  std::vector<std::pair<int32_t, int32_t>> tiles;
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int32_t t = qsl[s]; t < qsl[s + 1]; ++t) seq_of[t] = static_cast<int32_t>(s);
+    for (int32_t j = 0; j < qsl[s + 1] - qsl[s]; j += kQueryTile) tiles.emplace_back(s, j);
 
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim);
-    std::vector<float> m(group), l(group), scores(group * block_size);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = kQueryTile * group;  // (token, head) rows of a tile
+    std::vector<float> qf(width * head_dim), acc(width * head_dim), m(width), l(width);
+    std::vector<float> kt(head_dim * block_size), vf(block_size * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads, g = item % num_kv_heads;
-      const int64_t s = seq_of[t];
+      const auto [s, j0] = tiles[item / num_kv_heads];
+      const int64_t g = item % num_kv_heads;
       const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t pos = sl[s] - q_len + (t - qsl[s]);  // this token's position
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      for (int64_t h = 0; h < group; ++h) {
-        const T* qh = q_ptr + (t * num_heads + g * group + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_f(qh[d]) * fscale;
-      }
+      const int64_t j1 = std::min<int64_t>(j0 + kQueryTile, q_len);
+      const int64_t first_pos = sl[s] - q_len;  // position of the sequence's first new token
+      const int64_t last_pos = first_pos + j1 - 1;
+      const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos + j0 - window + 1) : 0;
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t h = 0; h < group; ++h) {
+          const T* src = q_ptr + ((qsl[s] + j) * num_heads + g * group + h) * head_dim;
+          float* dst = &qf[((j - j0) * group + h) * head_dim];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(src[d]) * fscale;
+        }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       const int32_t* table = bt + s * max_blocks;
-      for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
+      for (int64_t start = lowest - lowest % block_size; start <= last_pos; start += block_size) {
         const int64_t block = table[start / block_size];
-        const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
-        const int64_t n = hi - lo + 1;
+        const int64_t rows = std::min(block_size, last_pos - start + 1);
         const T* kb = k_ptr + block * block_stride + g * head_dim;
         const T* vb = v_ptr + block * block_stride + g * head_dim;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* kr = as_float(kb + (lo - start + i) * num_kv_heads * head_dim, row.data(), head_dim);
-          for (int64_t h = 0; h < group; ++h) scores[h * block_size + i] = dot(&qf[h * head_dim], kr, head_dim);
+        for (int64_t i = 0; i < block_size; ++i)
+          for (int64_t d = 0; d < head_dim; ++d)
+            kt[d * block_size + i] = i < rows ? to_f(kb[i * row_stride + d]) : 0.f;
+        const float* vrows = vf.data();
+        if constexpr (std::is_same_v<T, float>) {
+          vrows = nullptr;  // read V in place
+        } else {
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t d = 0; d < head_dim; ++d) vf[i * head_dim + d] = to_f(vb[i * row_stride + d]);
         }
-        // Online softmax: rescale the running sums once per block.
-        for (int64_t h = 0; h < group; ++h) {
-          float bmax = m[h];
-          for (int64_t i = 0; i < n; ++i) bmax = std::max(bmax, scores[h * block_size + i]);
-          const float correction = std::exp(m[h] - bmax);
-          m[h] = bmax;
-          l[h] *= correction;
-          float* a = &acc[h * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-          for (int64_t i = 0; i < n; ++i) {
-            const float p = std::exp(scores[h * block_size + i] - bmax);
-            scores[h * block_size + i] = p;
-            l[h] += p;
-          }
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          const float* vr = as_float(vb + (lo - start + i) * num_kv_heads * head_dim, row.data(), head_dim);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t pos = first_pos + j;
+          const int64_t lo = std::max(start, window > 0 ? pos - window + 1 : start) - start;
+          const int64_t hi = std::min(start + block_size - 1, pos) - start;
+          if (hi < lo) continue;
           for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * block_size + i];
-            float* a = &acc[h * head_dim];
+            const int64_t r = (j - j0) * group + h;
+            const float* qv = &qf[r * head_dim];
+            float sc[block_size] = {};  // a compile-time size: stays in vector registers
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float qd = qv[d];
+              const float* krow = &kt[d * block_size];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vr[d];
+              for (int64_t i = 0; i < block_size; ++i) sc[i] += qd * krow[i];
+            }
+            float bmax = m[r];
+            for (int64_t i = lo; i <= hi; ++i) bmax = std::max(bmax, sc[i]);
+            const float correction = m[r] == neg_inf ? 0.f : exp_nonpositive(m[r] - bmax);
+            m[r] = bmax;
+            float sum = l[r] * correction;
+            float* a = &acc[r * head_dim];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+            float probs[block_size];
+#pragma omp simd
+            for (int64_t i = 0; i < block_size; ++i) probs[i] = exp_nonpositive(sc[i] - bmax);
+            for (int64_t i = lo; i <= hi; ++i) {
+              const float p = probs[i];
+              sum += p;
+              const float* vr = vrows != nullptr ? vrows + i * head_dim
+                                                 : reinterpret_cast<const float*>(vb) + i * row_stride;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vr[d];
+            }
+            l[r] = sum;
           }
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        T* o = out_ptr + (t * num_heads + g * group + h) * head_dim;
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = from_f<T>(acc[h * head_dim + d] * inv);
-      }
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = (j - j0) * group + h;
+          T* o = out_ptr + ((qsl[s] + j) * num_heads + g * group + h) * head_dim;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = from_f<T>(acc[r * head_dim + d] * inv);
+        }
     }
   });
 }
@@ -135,6 +178,13 @@ void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
 
 }  // namespace
 
+// The block size is a template argument so a block's score row lives in vector registers.
+#define QIAO_PAGED_ATTENTION_CASE(BS)                                                           \
+  case BS:                                                                                      \
+    paged_attention_impl<scalar_t, BS>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, \
+                                       scale, window);                                          \
+    break;
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t window) {
@@ -144,7 +194,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
               query_start_loc.scalar_type() == torch::kInt32);
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+    switch (kv_cache.size(2)) {
+      QIAO_PAGED_ATTENTION_CASE(4)
+      QIAO_PAGED_ATTENTION_CASE(8)
+      QIAO_PAGED_ATTENTION_CASE(16)
+      QIAO_PAGED_ATTENTION_CASE(32)
+      QIAO_PAGED_ATTENTION_CASE(64)
+      QIAO_PAGED_ATTENTION_CASE(128)
+      default: TORCH_CHECK(false, "paged_attention: block size must be 4, 8, 16, 32, 64 or 128");
+    }
   });
   return out;
 }
