@@ -402,6 +402,9 @@ class AsyncEngine(EngineClient):
         stats = self._stats
         computed = stats["num_computed_tokens_total"]
         generated = stats["num_generated_tokens_total"]
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and (computed, generated) == last:
+            return last  # nothing happened: an idle server stays quiet
         logger.info(
             "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
             "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
