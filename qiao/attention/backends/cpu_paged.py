@@ -1,17 +1,34 @@
-"""Paged attention with the C++ CPU kernel: reads K/V block by block through the block table.
+"""Paged attention on CPU: decode tokens through the C++ kernel, prefill chunks through SDPA.
 
-No padded copy of any context is built; work is split over (token, kv head) pairs on all
-cores. The reference backend (`torch_ref`) is its test oracle.
+A decode token (one new token of its sequence) is the common case and the one a copy would
+hurt: the kernel reads its context block by block through the block table, with no padded copy,
+split over (sequence, kv head) on all cores. A prefill chunk has many queries per context, so
+gathering its context once and running one `scaled_dot_product_attention` over the chunk
+(the reference backend's path) is the faster form there. The reference backend is the oracle.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from qiao.attention.backends.base import AttentionBackend
-from qiao.attention.backends.torch_ref import write_kv
+from qiao.attention.backends.torch_ref import Group, attend_group, plan_group, write_kv
 from qiao.attention.metadata import AttentionMetadata
 from qiao.kernels import cpu_ops
+
+
+@dataclass
+class _Plan:
+    """How one step's sequences split; computed once per step, shared by every layer."""
+
+    all_decode: bool
+    decode_seq_ids: torch.Tensor | None  # decode sequences (None when every one is)
+    decode_rows: torch.Tensor | None  # their token rows in the flat batch
+    decode_query_start_loc: torch.Tensor  # [n + 1]: one query each. E.g. n = 3 -> [0, 1, 2, 3]
+    prefill: Group | None
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -36,12 +53,63 @@ class CpuPagedBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if metadata.backend_plan is None:
+            metadata.backend_plan = _plan(metadata, query.device)
+        plan: _Plan = metadata.backend_plan
+        query = query.to(kv_cache.dtype)
+        if plan.all_decode:
+            return self._decode(query, kv_cache, metadata, plan, scale, sliding_window)
+        out = torch.empty_like(query)
+        if plan.decode_rows is not None:
+            rows = plan.decode_rows
+            out[rows] = self._decode(query[rows], kv_cache, metadata, plan, scale, sliding_window)
+        if plan.prefill is not None:
+            grid = attend_group(query, kv_cache, metadata, plan.prefill, scale, sliding_window)
+            out[plan.prefill.valid_rows] = grid.flatten(0, 1)[plan.prefill.valid_slots]
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _Plan,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
+        if plan.decode_seq_ids is not None:
+            block_tables = block_tables[plan.decode_seq_ids]
+            seq_lens = seq_lens[plan.decode_seq_ids]
         return self.ops.paged_attention(
-            query.to(kv_cache.dtype).contiguous(),
+            query.contiguous(),
             kv_cache,
-            metadata.block_tables,
-            metadata.query_start_loc,
-            metadata.seq_lens,
+            block_tables,
+            plan.decode_query_start_loc,
+            seq_lens,
             scale,
             sliding_window or 0,
-        ).to(query.dtype)
+        )
+
+
+def _plan(metadata: AttentionMetadata, device: torch.device) -> _Plan:
+    query_lens = metadata.query_lens_cpu[: metadata.num_seqs]
+    is_decode = query_lens == 1
+    decode_ids = np.flatnonzero(is_decode)
+    prefill_ids = np.flatnonzero(~is_decode)
+    all_decode = prefill_ids.size == 0
+    qsl = torch.arange(decode_ids.size + 1, dtype=torch.int32, device=device)
+    if all_decode:
+        return _Plan(True, None, None, qsl, None)
+    rows = metadata.query_start_loc_cpu[decode_ids]
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+    return _Plan(
+        all_decode=False,
+        decode_seq_ids=to_device(decode_ids) if decode_ids.size else None,
+        decode_rows=to_device(rows) if decode_ids.size else None,
+        decode_query_start_loc=qsl,
+        prefill=plan_group(metadata, prefill_ids, device),
+    )

@@ -19,7 +19,7 @@ from qiao.attention.metadata import AttentionMetadata
 
 
 @dataclass
-class _Group:
+class Group:
     """Where one group's padded [S, Q] query grid sits in the flat batch."""
 
     seq_ids: torch.Tensor  # [S] sequences of the group
@@ -54,7 +54,7 @@ class TorchRefBackend(AttentionBackend):
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_groups(metadata, query.device)
         for group in metadata.backend_plan:
-            grid = _attend_group(query, kv_cache, metadata, group, scale, sliding_window)
+            grid = attend_group(query, kv_cache, metadata, group, scale, sliding_window)
             out[group.valid_rows] = grid.flatten(0, 1)[group.valid_slots]
         return out
 
@@ -68,14 +68,14 @@ def write_kv(
     slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def _plan_groups(metadata: AttentionMetadata, device: torch.device) -> list[_Group]:
+def _plan_groups(metadata: AttentionMetadata, device: torch.device) -> list[Group]:
     query_lens = metadata.query_lens_cpu[: metadata.num_seqs]
     is_decode = query_lens == 1
     groups = [np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]
-    return [_plan_group(metadata, seq_ids, device) for seq_ids in groups if seq_ids.size]
+    return [plan_group(metadata, seq_ids, device) for seq_ids in groups if seq_ids.size]
 
 
-def _plan_group(metadata: AttentionMetadata, seq_ids: np.ndarray, device: torch.device) -> _Group:
+def plan_group(metadata: AttentionMetadata, seq_ids: np.ndarray, device: torch.device) -> Group:
     query_lens = metadata.query_lens_cpu[seq_ids].astype(np.int64)
     seq_lens = metadata.seq_lens_cpu[seq_ids].astype(np.int64)
     query_starts = metadata.query_start_loc_cpu[seq_ids].astype(np.int64)
@@ -89,7 +89,7 @@ def _plan_group(metadata: AttentionMetadata, seq_ids: np.ndarray, device: torch.
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-    return _Group(
+    return Group(
         seq_ids=to_device(seq_ids.astype(np.int64)),
         seq_lens=to_device(seq_lens),
         query_rows=to_device(rows),
@@ -100,11 +100,11 @@ def _plan_group(metadata: AttentionMetadata, seq_ids: np.ndarray, device: torch.
     )
 
 
-def _attend_group(
+def attend_group(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
-    group: _Group,
+    group: Group,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
@@ -127,7 +127,7 @@ def _attend_group(
 
 
 def _gather_context(
-    kv_cache: torch.Tensor, metadata: AttentionMetadata, group: _Group
+    kv_cache: torch.Tensor, metadata: AttentionMetadata, group: Group
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's contexts as K and V of [S, max_seq_len, Hkv, D], zero past each seq_len.
 
