@@ -248,13 +248,19 @@ def qiao_command() -> list[str]:
 
 
 class SubprocessServer:
-    """`qiao serve ... --port 0`, its output in `log_path`; the port is read from the log."""
+    """`qiao serve ... --port 0`, its output in `log_path`; the port is read from the log.
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    `args=None` runs a bare `qiao serve` (the port then comes from `QIAO_PORT` in `env`).
+    """
+
+    def __init__(
+        self, args: list[str] | None, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.log_path = log_path
         self._log_file = log_path.open("wb")
+        argv = [] if args is None else ["--port", "0", *args]
         self.proc = subprocess.Popen(
-            [*qiao_command(), "serve", "--port", "0", *args],
+            [*qiao_command(), "serve", *argv],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=env,

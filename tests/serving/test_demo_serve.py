@@ -1,0 +1,44 @@
+"""A newcomer's first command: bare `qiao serve` serves the built-in demo model, fast."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+from test_demo_model import assert_english
+
+from .conftest import SubprocessServer
+
+STARTUP_LIMIT_S = 10.0
+
+
+def test_bare_qiao_serve_answers_chat_in_english(tmp_path: Path) -> None:
+    # No flags at all: the port and the log interval come from the environment.
+    env = {**os.environ, "QIAO_PORT": "0", "QIAO_LOG_INTERVAL": "0"}
+    started = time.monotonic()
+    server = SubprocessServer(None, tmp_path / "server.log", env=env)
+    try:
+        server.wait_ready(timeout=60.0)
+        startup = time.monotonic() - started
+        assert startup < STARTUP_LIMIT_S, f"ready after {startup:.1f} s"
+        with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
+            assert client.get("/v1/models").json()["data"][0]["id"] == "demo_model"
+            texts = []
+            for seed in range(4):
+                response = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "demo_model",
+                        "messages": [{"role": "user", "content": "Good morrow! What news?"}],
+                        "temperature": 0.8,
+                        "seed": seed,
+                        "max_tokens": 40,
+                    },
+                )
+                assert response.status_code == 200, response.text
+                texts.append(response.json()["choices"][0]["message"]["content"])
+        assert_english(" ".join(texts), min_words=10)
+    finally:
+        assert server.stop() == 0
