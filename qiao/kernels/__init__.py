@@ -53,7 +53,13 @@ def _build() -> ModuleType:
         name="qiao_cpu_ops",
         sources=[str(_SOURCE)],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            "-mprefer-vector-width=512",
+            "-fopenmp",
+            "-fno-math-errno",
+        ],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -53,11 +53,19 @@ constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share e
 // score row is a run of vector FMAs over the block's positions (no horizontal reductions), and
 // reuses that block for the whole tile and for every query head of the kv head's group.
 // Softmax is online: running max m, sum l and output acc per (token, head), rescaled per block.
-template <typename T, int64_t block_size>
+constexpr int64_t kMaxBlockSize = 128;
+
+// block_size_c / head_dim_c > 0 fix the block and head size at compile time (the default block
+// size 16 with head sizes 64 and 128 are instantiated), so the inner loops unroll and vectorise
+// fully; 0 reads the size at run time (any other configuration, somewhat slower).
+template <typename T, int64_t block_size_c, int64_t head_dim_c>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                           const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                           const torch::Tensor& seq_lens, double scale, int64_t window) {
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = head_dim_c > 0 ? head_dim_c : q.size(2);
+  const int64_t block_size = block_size_c > 0 ? block_size_c : kv_cache.size(2);
+  TORCH_CHECK(block_size <= kMaxBlockSize, "paged_attention: block size above ", kMaxBlockSize);
   const int64_t num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = seq_lens.size(0);
@@ -126,7 +134,9 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
           for (int64_t h = 0; h < group; ++h) {
             const int64_t r = (j - j0) * group + h;
             const float* qv = &qf[r * head_dim];
-            float sc[block_size] = {};  // a compile-time size: stays in vector registers
+            float sc[kMaxBlockSize];  // with a compile-time block size it lives in registers
+#pragma omp simd
+            for (int64_t i = 0; i < block_size; ++i) sc[i] = 0.f;
             for (int64_t d = 0; d < head_dim; ++d) {
               const float qd = qv[d];
               const float* krow = &kt[d * block_size];
@@ -141,7 +151,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
             float* a = &acc[r * head_dim];
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-            float probs[block_size];
+            float probs[kMaxBlockSize];
 #pragma omp simd
             for (int64_t i = 0; i < block_size; ++i) probs[i] = exp_nonpositive(sc[i] - bmax);
             for (int64_t i = lo; i <= hi; ++i) {
@@ -178,13 +188,6 @@ void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
 
 }  // namespace
 
-// The block size is a template argument so a block's score row lives in vector registers.
-#define QIAO_PAGED_ATTENTION_CASE(BS)                                                           \
-  case BS:                                                                                      \
-    paged_attention_impl<scalar_t, BS>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, \
-                                       scale, window);                                          \
-    break;
-
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t window) {
@@ -194,15 +197,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
               query_start_loc.scalar_type() == torch::kInt32);
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    switch (kv_cache.size(2)) {
-      QIAO_PAGED_ATTENTION_CASE(4)
-      QIAO_PAGED_ATTENTION_CASE(8)
-      QIAO_PAGED_ATTENTION_CASE(16)
-      QIAO_PAGED_ATTENTION_CASE(32)
-      QIAO_PAGED_ATTENTION_CASE(64)
-      QIAO_PAGED_ATTENTION_CASE(128)
-      default: TORCH_CHECK(false, "paged_attention: block size must be 4, 8, 16, 32, 64 or 128");
-    }
+    const auto run = [&](auto block_size_c, auto head_dim_c) {
+      paged_attention_impl<scalar_t, decltype(block_size_c)::value, decltype(head_dim_c)::value>(
+          out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+    };
+    using C0 = std::integral_constant<int64_t, 0>;
+    using C16 = std::integral_constant<int64_t, 16>;
+    if (kv_cache.size(2) != 16) return run(C0{}, C0{});
+    if (q.size(2) == 64) return run(C16{}, std::integral_constant<int64_t, 64>{});
+    if (q.size(2) == 128) return run(C16{}, std::integral_constant<int64_t, 128>{});
+    run(C16{}, C0{});
   });
   return out;
 }
