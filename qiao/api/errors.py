@@ -77,7 +77,9 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, ConfigError):
-        return APIError(400, str(exc), param=_field_of(str(exc)))
+        # SamplingParams errors read "SamplingParams.top_p must ..."; the client knows it as top_p.
+        message = str(exc).removeprefix("SamplingParams.")
+        return APIError(400, message, param=_field_of(message))
     logger.error("unexpected error", exc_info=exc)
     return APIError(
         500, "internal server error; the server log has the details", code="internal_error"
@@ -86,7 +88,7 @@ def as_api_error(exc: Exception) -> APIError:
 
 def _field_of(message: str) -> str | None:
     head = message.split(" ", 1)[0]
-    return head.removeprefix("SamplingParams.") if head.isidentifier() or "." in head else None
+    return head if head.isidentifier() else None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

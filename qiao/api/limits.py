@@ -5,7 +5,7 @@ Every breach raises `APIError(400, ...)` naming the field and the limit.
 
 from __future__ import annotations
 
-from qiao.api.errors import APIError
+from qiao.api.errors import APIError, as_api_error
 from qiao.api.protocol import ChatCompletionRequest, CompletionRequest
 from qiao.api.settings import ServeSettings
 from qiao.errors import ConfigError
@@ -153,5 +153,4 @@ def to_sampling_params(
             skip_special_tokens=req.skip_special_tokens,
         )
     except ConfigError as exc:
-        field = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
-        raise APIError(400, str(exc).removeprefix("SamplingParams."), param=field) from None
+        raise as_api_error(exc) from None

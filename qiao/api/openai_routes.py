@@ -22,7 +22,6 @@ from qiao.api.serving import (
     usage,
 )
 from qiao.outputs import CompletionOutput, Logprob
-from qiao.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -41,7 +40,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     _check_model(body.model, state.model_name)
     check_request_fields(body, state.settings)
     prompts = _completion_prompts(body, state)
-    job, _ = _start(request, body, prompts, body.logprobs, "prompt")
+    job = _start(request, body, prompts, body.logprobs, "prompt")
     request_id, created = f"cmpl-{uuid.uuid4().hex}", now()
     base = {
         "id": request_id,
@@ -86,7 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_request_fields(body, state.settings)
     prompt_ids = _render_chat(body, state.engine.tokenizer)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    job, _ = _start(request, body, [prompt_ids], k, "messages")
+    job = _start(request, body, [prompt_ids], k, "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     base = {
         "id": request_id,
@@ -199,7 +198,7 @@ def _start(
     prompts: list[list[int]],
     num_logprobs: int | None,
     prompt_param: str,
-) -> tuple[Job, SamplingParams]:
+) -> Job:
     """Check lengths for every prompt, then admit them all (or none) into the engine."""
     state = request.app.state
     engine, settings = state.engine, state.settings
@@ -245,7 +244,7 @@ def _start(
         for stream in streams:
             engine.abort(stream.request_id)
         raise as_api_error(exc) from None
-    return Job(streams, [len(p) for p in prompts], body.n, num_logprobs), params
+    return Job(streams, [len(p) for p in prompts], body.n, num_logprobs)
 
 
 def _sse(

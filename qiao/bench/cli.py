@@ -7,13 +7,16 @@ Only argparse lives here; each command imports its benchmark (and so torch) when
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from qiao.bench.common import LengthSpec
 from qiao.bench.shapes import shape_names
+
+T = TypeVar("T")
 
 
 def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
@@ -200,26 +203,18 @@ def _add_throughput(sub: argparse._SubParsersAction) -> None:
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from qiao.bench.throughput import ThroughputConfig, format_throughput, run_throughput
 
-    cfg = ThroughputConfig(
-        model=args.model,
-        shape=args.shape,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        ignore_eos=args.ignore_eos,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        load_format=args.load_format,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        repeat=args.repeat,
-        seed=args.seed,
-        compare_hf=args.compare == "hf",
-        hf_batch_sizes=args.hf_batch_sizes,
-        ceiling_gflops=args.ceiling_gflops,
-        quick_ceiling=args.quick_ceiling,
-    )
+    cfg = _config_from_args(ThroughputConfig, args)
     return _report(run_throughput, cfg, format_throughput, args.json)
+
+
+def _config_from_args(config_cls: type[T], args: argparse.Namespace) -> T:
+    """A benchmark config whose fields are the same-named flags (`--compare hf` -> compare_hf)."""
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(config_cls)
+        if hasattr(args, f.name)
+    }
+    return config_cls(**values, compare_hf=args.compare == "hf")
 
 
 # --- latency ----------------------------------------------------------------------------------
@@ -257,21 +252,7 @@ def _add_latency(sub: argparse._SubParsersAction) -> None:
 def _cmd_latency(args: argparse.Namespace) -> int:
     from qiao.bench.latency import LatencyConfig, format_latency, run_latency
 
-    cfg = LatencyConfig(
-        model=args.model,
-        shape=args.shape,
-        input_len=args.input_len,
-        batch_size=args.batch_size,
-        decode_steps=args.decode_steps,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        load_format=args.load_format,
-        repeat=args.repeat,
-        seed=args.seed,
-        compare_hf=args.compare == "hf",
-        copy_gbps=args.copy_gbps,
-        quick_bandwidth=args.quick_bandwidth,
-    )
+    cfg = _config_from_args(LatencyConfig, args)
     return _report(run_latency, cfg, format_latency, args.json)
 
 

@@ -101,12 +101,11 @@ class EngineArgs:
 
 
 def context_len(num_tokens: int) -> int:
-    """`max_model_len` for sequences of up to `num_tokens`, rounded up to a multiple of 128.
+    """`max_model_len` for sequences of up to `num_tokens` (prompt + output).
 
-    The engine sizes its KV pool as max_num_seqs x max_model_len tokens; a multiple of every
-    block size keeps that pool from falling a block short per sequence, which would preempt.
+    The engine's default KV pool holds max_num_seqs sequences of this length, in whole blocks.
     """
-    return -(-num_tokens // 128) * 128
+    return num_tokens
 
 
 def build_llm(path: Path, args: EngineArgs) -> LLM:
