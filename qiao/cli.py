@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from qiao.bench.cli import add_bench_subcommands
+from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
 
 
@@ -27,21 +27,62 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="dummy: random weights of the right shapes, no checkpoint needed",
     )
     g.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="int8: weight-only int8 linear layers (a quarter of float32's bytes)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=None,
         help="context length limit (default: the checkpoint's)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="max running sequences per step (default: the profile's, else 128)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: the profile's, else 2048)",
+    )
     g.add_argument(
         "--kv-cache-memory",
         type=float,
         default=None,
         help="KV cache size: bytes (> 1) or a share of device memory (<= 1)",
     )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (overrides --kv-cache-memory; default: the profile's)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the profile's, else torch's)",
+    )
+    profile = g.add_mutually_exclusive_group()
+    profile.add_argument(
+        "--profile",
+        default="auto",
+        help="tuning profile file (default: this model's from `qiao tune`, if any)",
+    )
+    profile.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_const",
+        const=None,
+        help="use no tuning profile",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -106,12 +147,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.model,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
+        num_threads=args.num_threads,
+        profile=args.profile,
     )
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
@@ -174,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with --compare hf, beside Hugging Face transformers in the same run.",
     )
     add_bench_subcommands(bench)
+    add_tune_command(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ from qiao.errors import ConfigError
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
+QUANTIZATIONS = ("int8",)
 # CPU default for the KV cache when no budget is given: this share of RAM, capped below.
 DEFAULT_CPU_KV_FRACTION = 0.10
 DEFAULT_CPU_KV_CAP_BYTES = 4 << 30
@@ -32,9 +33,15 @@ class ModelConfig:
     tokenizer: str | None = None  # None: the model directory
     skip_tokenizer_init: bool = False
     seed: int = 0
+    quantization: str | None = None  # "int8": weight-only int8 linears (per-channel scales)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint directory")
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}",
+        )
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.load_format in LOAD_FORMATS,
@@ -99,6 +106,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    # CUDA graphs for pure-decode steps; None: on for a CUDA device, off elsewhere.
+    cuda_graphs: bool | None = None
 
     @classmethod
     def create(
@@ -120,6 +129,8 @@ class EngineConfig:
         seed: int = 0,
         device: str = "auto",
         skip_tokenizer_init: bool = False,
+        quantization: str | None = None,
+        cuda_graphs: bool | None = None,
     ) -> EngineConfig:
         """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         return cls(
@@ -131,6 +142,7 @@ class EngineConfig:
                 tokenizer=tokenizer,
                 skip_tokenizer_init=skip_tokenizer_init,
                 seed=seed,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -145,6 +157,7 @@ class EngineConfig:
                 policy=scheduling_policy,
             ),
             device=device,
+            cuda_graphs=cuda_graphs,
         )
 
     def __post_init__(self) -> None:

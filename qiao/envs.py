@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """QIAO_CACHE_DIR: where compiled kernels and tuning profiles live (~/.cache/qiao)."""
+    """QIAO_CACHE_DIR: where compiled kernels (and, by default, tuning profiles) live
+    (~/.cache/qiao)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qiao"
     return Path(os.environ.get("QIAO_CACHE_DIR", default))
 
@@ -19,3 +20,15 @@ def cache_dir() -> Path:
 def disable_cpu_kernels() -> bool:
     """QIAO_DISABLE_CPU_KERNELS=1: use the plain-PyTorch reference ops instead of the C++ ones."""
     return os.environ.get("QIAO_DISABLE_CPU_KERNELS", "0") not in ("", "0", "false")
+
+
+def profile_dir() -> Path:
+    """QIAO_PROFILE_DIR: where `qiao tune` writes tuning profiles and `LLM` / `qiao serve` look
+    for them (default: <QIAO_CACHE_DIR>/profiles). Kept apart from the cache dir so tests can
+    point it elsewhere without rebuilding the kernels cached there."""
+    return Path(os.environ.get("QIAO_PROFILE_DIR", cache_dir() / "profiles"))
+
+
+def disable_onednn_linear() -> bool:
+    """QIAO_DISABLE_ONEDNN_LINEAR=1: CPU linear layers use F.linear on the plain weight."""
+    return os.environ.get("QIAO_DISABLE_ONEDNN_LINEAR", "0") not in ("", "0", "false")

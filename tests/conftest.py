@@ -4,7 +4,7 @@ builder of attention metadata like the runner's."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,17 @@ _TRAINING_TEXT = [
     "Hello! How are you today? I am fine, thank you. What would you like to talk about? Let us "
     "talk about the weather, the mountains, the sea and the stars in the night sky.",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_user_profiles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep the suite hermetic: `LLM(...)` and `qiao serve` (subprocesses inherit the variable)
+    look for tuning profiles in an empty directory, never in the developer's. A test that wants
+    a profile points QIAO_PROFILE_DIR at its own. The kernel build cache (QIAO_CACHE_DIR) stays
+    where it is, so kernels are not rebuilt per run."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QIAO_PROFILE_DIR", str(tmp_path_factory.mktemp("no-profiles")))
+        yield
 
 
 def _seed_everything(seed: int) -> None:

@@ -125,7 +125,7 @@ def test_help_documents_every_flag() -> None:
     bench = argparse.ArgumentParser(prog="qiao bench")
     add_bench_subcommands(bench)
     subparsers = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(subparsers.choices) == {"hw", "throughput", "latency", "serve"}
+    assert set(subparsers.choices) == {"hw", "throughput", "latency", "serve", "quality"}
     for name, parser in subparsers.choices.items():
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
@@ -144,8 +144,8 @@ def test_hw_reports_bandwidth_and_ceilings(tmp_path: Path) -> None:
     assert report["ceiling_gflops"]["float32"] > 0
     assert {(m["dtype"], m["m"]) for m in report["matmuls"]} >= {("float32", 1), ("float32", 256)}
     assert all(m["gflops"] > 0 and m["weight_gbps"] > 0 for m in report["matmuls"])
-    # int8 is measured where torch._weight_int8pack_mm runs, else skipped with a reason.
-    assert "int8" in report["skipped"] or report["ceiling_gflops"]["int8"] > 0
+    assert report["ceiling_gflops"]["int8"] > 0
+    assert {m["impl"] for m in report["matmuls"] if m["dtype"] == "int8"} == {"qiao"}
 
 
 def test_throughput_with_hf_comparison(tmp_path: Path) -> None:
@@ -191,13 +191,12 @@ def test_hf_twin_has_identical_weights() -> None:
     import torch
 
     from qiao.bench.common import EngineArgs
-    from qiao.bench.hf_baseline import build_hf_twin, hf_greedy_tokens
+    from qiao.bench.hf_baseline import build_with_hf_twin, hf_greedy_tokens
     from qiao.sampling_params import SamplingParams
 
     args = EngineArgs("dummy", "float32", None, 1, 256, context_len(64))
     with model_dir(None, "tiny") as path:
-        llm = build_llm(path, args)
-        hf = build_hf_twin(path, llm)
+        llm, hf = build_with_hf_twin(path, args)
     qiao_model = llm.engine.runner.model
     assert torch.equal(
         qiao_model.model.embed_tokens.weight, hf.state_dict()["model.embed_tokens.weight"]

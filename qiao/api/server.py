@@ -19,27 +19,57 @@ from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
 from qiao.engine.llm_engine import LLMEngine
+from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 
 logger = logging.getLogger("qiao.server")
 
+# Settings that are `EngineConfig.create` arguments of the same name.
+_ENGINE_SETTINGS = (
+    "dtype",
+    "load_format",
+    "quantization",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "block_size",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "seed",
+    "device",
+)
 
-def build_engine(settings: ServeSettings) -> AsyncEngine:
+
+def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
+    """The engine config and torch thread count: the settings, with the tuning profile's
+    values for the tuned settings not set explicitly (by flag, environment or config file)."""
+    kwargs = {name: getattr(settings, name) for name in _ENGINE_SETTINGS}
+    explicit = settings.model_fields_set
+    given = {name: value for name, value in kwargs.items() if name in explicit}
+    # These shape the profile lookup and what of it applies, given or not.
+    given.update(
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        block_size=settings.block_size,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+    )
+    given["num_threads"] = settings.num_threads
+    tuned = tuned_defaults(settings.model_path, given, settings.profile_choice)
+    num_threads = tuned.pop("num_threads", settings.num_threads)
+    kwargs.update(tuned)
     config = EngineConfig.create(
         settings.model_path,
-        dtype=settings.dtype,
-        load_format=settings.load_format,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        enable_chunked_prefill=settings.enable_chunked_prefill,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        block_size=settings.block_size,
-        kv_cache_memory=settings.kv_cache_memory,
-        num_kv_blocks=settings.num_kv_blocks,
+        **kwargs,
         scheduling_policy=settings.scheduling_policy,
-        seed=settings.seed,
-        device=settings.device,
+        cuda_graphs=settings.cuda_graphs_choice,
     )
+    return config, num_threads
+
+
+def build_engine(settings: ServeSettings) -> AsyncEngine:
+    config, num_threads = engine_config(settings)
+    apply_num_threads(num_threads)
     limits = AdmissionLimits(
         max_waiting_seqs=settings.max_waiting_requests,
         max_waiting_tokens=settings.max_waiting_tokens,

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
+    CliToggleFlag,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -54,11 +55,18 @@ class ServeSettings(BaseSettings):
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="weight source"
     )
+    quantization: Literal["int8"] | None = Field(
+        None, description="int8: weight-only int8 linear layers (a quarter of float32's bytes)"
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="context limit (default: checkpoint's)"
     )
-    max_num_seqs: int = Field(128, ge=1, description="max running sequences per step")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per engine step")
+    max_num_seqs: int = Field(
+        128, ge=1, description="max running sequences per step (else the profile's)"
+    )
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget per engine step (else the profile's)"
+    )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
     block_size: int = Field(16, description="tokens per KV block")
@@ -66,13 +74,27 @@ class ServeSettings(BaseSettings):
         None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"
     )
     num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV pool size in blocks (overrides memory)"
+        None, ge=1, description="KV pool size in blocks (overrides memory; else the profile's)"
     )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="waiting-queue order"
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    # Two toggles, so "neither" keeps the device's default: on for CUDA, off elsewhere.
+    cuda_graphs: CliToggleFlag[bool] = Field(
+        False, description="replay CUDA graphs for decode steps (default: on for CUDA)"
+    )
+    no_cuda_graphs: CliToggleFlag[bool] = Field(
+        False, description="run every step eagerly, no CUDA graphs"
+    )
     seed: int = Field(0, description="engine seed for requests without their own")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (default: the profile's, else torch's)"
+    )
+    profile: Path | None = Field(
+        None, description="tuning profile file (default: this model's from `qiao tune`, if any)"
+    )
+    no_profile: CliToggleFlag[bool] = Field(False, description="use no tuning profile")
 
     # --- network and security ----------------------------------------------------------------
     host: str = Field("127.0.0.1", description="bind address (non-loopback needs an API key)")
@@ -128,6 +150,28 @@ class ServeSettings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _one_profile_choice(self) -> ServeSettings:
+        if self.profile is not None and self.no_profile:
+            raise ValueError("profile and no-profile exclude each other")
+        return self
+
+    @model_validator(mode="after")
+    def _one_cuda_graphs_choice(self) -> ServeSettings:
+        if self.cuda_graphs and self.no_cuda_graphs:
+            raise ValueError("cuda-graphs and no-cuda-graphs exclude each other")
+        return self
+
+    @property
+    def cuda_graphs_choice(self) -> bool | None:
+        """`EngineConfig.cuda_graphs`: True, False, or None (the device's default)."""
+        return True if self.cuda_graphs else (False if self.no_cuda_graphs else None)
+
+    @property
+    def profile_choice(self) -> Path | str | None:
+        """The tuning profile to use: a file, "auto" (this model's, if any), or None."""
+        return None if self.no_profile else (self.profile or "auto")
 
     @property
     def model_path(self) -> str:

@@ -43,6 +43,12 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     max_query_len: int
     max_seq_len: int
+    # A padded decode step (the runner's static-shape path, for CUDA graphs): one query token
+    # per sequence; the device tensors are the runner's static buffers, padded to a bucket of
+    # `num_seqs` sequences and `block_tables.shape[1]` blocks each. Padding rows have seq_len 1
+    # and write and read only the runner's scratch block. The host copies and max_* hold the
+    # bucket's capacity, not the step's lengths: backends must take no shape or value from them.
+    is_padded_decode: bool = False
     # Whatever the attention backend derives from this layout, computed by the first layer and
     # reused by the others (the layout is the same for every layer of a step).
     backend_plan: Any = field(default=None, repr=False)

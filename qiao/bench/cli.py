@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +20,71 @@ from qiao.bench.shapes import shape_names
 T = TypeVar("T")
 
 
+def add_tune_command(sub: argparse._SubParsersAction) -> None:
+    """Register `qiao tune` (a top-level command: it writes a profile, not a report)."""
+    p = sub.add_parser(
+        "tune",
+        help="measure this machine with a model once; write the profile serve and LLM use",
+        description="Measure decode and prefill speed on real engine steps and choose "
+        "num_threads, max_num_seqs, max_num_batched_tokens and num_kv_blocks; write them, with "
+        "the measurements, as a profile that `qiao serve` and LLM(...) take their defaults "
+        "from for this model on this machine. Flags given to them still win.",
+    )
+    _add_model_source_flags(p, default_dtype="auto", hf_note=False)
+    g = p.add_argument_group("tuning")
+    g.add_argument("--quick", action="store_true", help="few, short runs (seconds; rough)")
+    g.add_argument(
+        "--max-memory",
+        type=_memory,
+        default=None,
+        metavar="MEM",
+        help="KV cache budget: bytes (4GiB, 512MB) or a share of memory (<= 1); default: "
+        "the engine's default KV sizing",
+    )
+    g.add_argument(
+        "--threads",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="thread counts to try (default: 1, 2, 4, ... and the physical cores)",
+    )
+    g.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="max_num_seqs to try (default 1,8,16,32,64,128,256; --quick 1,4,8)",
+    )
+    g.add_argument(
+        "--token-budgets",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="max_num_batched_tokens to try (default 256,512,1024,2048; --quick 16,32,64)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="KV block size, tokens (16)")
+    g.add_argument(
+        "--out",
+        metavar="PATH",
+        default=None,
+        help="profile file (default: QIAO_PROFILE_DIR, ~/.cache/qiao/profiles, where serve "
+        "and LLM look)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from qiao.bench.tune import TuneConfig, run_tune
+    from qiao.bench.tune_report import format_tune
+
+    cfg = _config_from_args(TuneConfig, args, show_progress=not args.no_progress)
+    profile, path = run_tune(cfg)
+    print(format_tune(profile, path))
+    return 0
+
+
 def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     """Register the sub-benchmarks under the `qiao bench` parser."""
     sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
@@ -26,6 +92,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_throughput(sub)
     _add_latency(sub)
     _add_serve(sub)
+    _add_quality(sub)
 
 
 # --- argument types ---------------------------------------------------------------------------
@@ -69,34 +136,35 @@ def _positive(text: str) -> int:
     return value
 
 
+_MEMORY_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def _memory(text: str) -> float:
+    """Bytes ("2e9", "512MiB", "2GB", "4G") or a share of memory ("0.2", at most 1)."""
+    # E.g. "1.5GiB" -> ("1.5", "gi") -> 1.5 * 2**30.
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    try:
+        value = float(match.group(1)) * _MEMORY_UNITS[(match.group(2) or "").lower()]
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected bytes (e.g. 4GiB, 512MB, 2e9) or a share of memory <= 1"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
 # --- shared flags -----------------------------------------------------------------------------
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model under test")
-    source = g.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face checkpoint directory")
-    source.add_argument(
-        "--shape",
-        choices=shape_names(),
-        help="a built-in published model shape, random weights (no download)",
-    )
+    g = _add_model_source_flags(parser, default_dtype="float32", hf_note=True)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="how qiao loads --model (always dummy for --shape and --compare hf)",
-    )
-    g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="qiao's dtype; HF runs in the same one (default %(default)s)",
-    )
-    g.add_argument(
-        "--quantization",
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="passed to LLM(quantization=...); an error if this qiao's LLM does not take it",
+        help="replay CUDA graphs for decode steps (default: on for CUDA, off elsewhere)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     g.add_argument(
@@ -109,6 +177,42 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="hf: also run Hugging Face transformers on the same weights, in the same run",
     )
     g.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+
+
+def _add_model_source_flags(
+    parser: argparse.ArgumentParser, default_dtype: str, hf_note: bool
+) -> argparse._ArgumentGroup:
+    """--model | --shape, --load-format, --dtype, --quantization; returns their group.
+    `hf_note`: the help says how `--compare hf` uses them."""
+    g = parser.add_argument_group("model under test")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face checkpoint directory")
+    source.add_argument(
+        "--shape",
+        choices=shape_names(),
+        help="a built-in published model shape, random weights (no download)",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="how qiao loads --model (always dummy for --shape"
+        + (" and --compare hf)" if hf_note else ")"),
+    )
+    g.add_argument(
+        "--dtype",
+        default=default_dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="qiao's dtype"
+        + ("; HF runs in the same one" if hf_note else "")
+        + " (default %(default)s)",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        help="passed to LLM(quantization=...); an error if this qiao's LLM does not take it",
+    )
+    return g
 
 
 # --- hw ---------------------------------------------------------------------------------------
@@ -124,8 +228,9 @@ def _add_hw(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtypes",
         default="float32,bfloat16,int8",
-        help="comma-separated: float32, bfloat16, float16, int8 (int8 = weight-only "
-        "torch._weight_int8pack_mm, skipped where unsupported); default %(default)s",
+        help="comma-separated: float32, bfloat16, float16, int8 (int8 = qiao's weight-only "
+        "int8 linear); float32 and bfloat16 are timed as F.linear and as oneDNN with the "
+        "weight prepacked, the ceiling being the faster; default %(default)s",
     )
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, less accurate)")
     p.add_argument(
@@ -207,14 +312,45 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     return _report(run_throughput, cfg, format_throughput, args.json)
 
 
-def _config_from_args(config_cls: type[T], args: argparse.Namespace) -> T:
-    """A benchmark config whose fields are the same-named flags (`--compare hf` -> compare_hf)."""
+def _config_from_args(config_cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
+    """A benchmark config whose fields are the same-named flags, plus `extra` (by default
+    `--compare hf` -> compare_hf)."""
     values = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(config_cls)
-        if hasattr(args, f.name)
+        if hasattr(args, f.name) and f.name not in extra
     }
-    return config_cls(**values, compare_hf=args.compare == "hf")
+    if not extra:
+        extra = {"compare_hf": args.compare == "hf"}
+    return config_cls(**values, **extra)
+
+
+# --- quality ----------------------------------------------------------------------------------
+
+
+def _add_quality(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quality",
+        help="what quantization costs: greedy agreement and perplexity against float32",
+        description="Run the checkpoint in float32 and with --quantization, side by side: "
+        "greedy continuations of a dozen story prompts (identical outputs, agreeing positions, "
+        "mean agreeing prefix) and the perplexity of a fixed story text. The checkpoint needs "
+        "its tokenizer; the prompts suit models trained on children's stories (stories260K).",
+    )
+    p.add_argument("--model", required=True, metavar="PATH", help="HF checkpoint directory")
+    p.add_argument(
+        "--quantization", choices=["int8"], default="int8", help="the scheme to measure (int8)"
+    )
+    p.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens per prompt (64)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.set_defaults(func=_cmd_quality)
+
+
+def _cmd_quality(args: argparse.Namespace) -> int:
+    from qiao.bench.quality import QualityConfig, format_quality, run_quality
+
+    cfg = QualityConfig(args.model, args.quantization, args.max_tokens)
+    return _report(run_quality, cfg, format_quality, args.json)
 
 
 # --- latency ----------------------------------------------------------------------------------

@@ -98,6 +98,8 @@ class EngineArgs:
     max_num_batched_tokens: int
     max_model_len: int
     seed: int = 0
+    device: str = "auto"
+    cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
 
 
 def context_len(num_tokens: int) -> int:
@@ -109,8 +111,9 @@ def context_len(num_tokens: int) -> int:
 
 
 def build_llm(path: Path, args: EngineArgs) -> LLM:
-    """An `LLM` without tokenizer. Prefix caching is off: a benchmark measures computing
-    prompts, and reruns of the same prompts would otherwise be cache hits."""
+    """An `LLM` without tokenizer or tuning profile (a benchmark sets what it measures).
+    Prefix caching is off: a benchmark measures computing prompts, and reruns of the same
+    prompts would otherwise be cache hits."""
     from qiao.entrypoints.llm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -122,10 +125,21 @@ def build_llm(path: Path, args: EngineArgs) -> LLM:
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
         seed=args.seed,
+        profile=None,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
     )
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization  # LLM() names it if it is not supported
     return LLM(str(path), **kwargs)
+
+
+def device_note(report: dict[str, Any]) -> str:
+    """E.g. ", on cuda:0 with CUDA graphs" for a report's heading; "" when it names no device."""
+    device = report.get("device")
+    if device is None:
+        return ""
+    return f", on {device}" + (" with CUDA graphs" if report.get("cuda_graphs") else "")
 
 
 def median(values: Sequence[float]) -> float:
@@ -145,12 +159,12 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 def weight_bytes_per_decode_step(model: Any) -> int:
     """Bytes of weights one decode step reads: every parameter and weight buffer once, except
-    the input embedding table, of which a step reads only one row per sequence. With tied
-    embeddings the table is read whole by the lm_head, so it counts."""
-    tied = getattr(model, "lm_head", None) is None
+    the input embedding table, of which a step reads only one row per sequence. The lm_head is
+    read whole, whether it is its own tensor, the tied embedding or a packed / int8 copy."""
     total = 0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if "rotary" in name or (not tied and "embed_tokens" in name):
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    for name, tensor in tensors:
+        if "rotary" in name or "embed_tokens" in name:
             continue
         total += tensor.numel() * tensor.element_size()
     return total

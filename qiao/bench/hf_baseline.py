@@ -1,39 +1,50 @@
 """The baseline: Hugging Face transformers on the same weights, in the same process.
 
-`build_hf_twin` builds the transformers model from the same config.json and copies its weights
-into qiao's model, so both compute with identical numbers and a speed ratio compares code, not
+`build_with_hf_twin` builds the transformers model from the same config.json and has qiao load
+its weights, so both compute with identical numbers and a speed ratio compares code, not
 weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qiao.bench.common import EngineArgs, build_llm
+from qiao.errors import ConfigError
+
 if TYPE_CHECKING:
     from qiao.entrypoints.llm import LLM
 
 
-def build_hf_twin(path: Path, llm: LLM) -> Any:
-    """`AutoModelForCausalLM.from_config(config.json at path)` in qiao's dtype, eval mode, with
-    its (random) weights copied into `llm`'s model. Raises if a qiao parameter stays unfilled."""
+def build_with_hf_twin(path: Path, args: EngineArgs) -> tuple[LLM, Any]:
+    """(qiao, transformers) on the same weights: `AutoModelForCausalLM.from_config(config.json
+    at path)` in qiao's dtype, eval mode, its (random) weights saved as a safetensors checkpoint
+    that qiao loads the way it loads any checkpoint (so packing and quantization apply)."""
     import transformers
+
+    from qiao.hal.platform import resolve_dtype
 
     transformers.logging.set_verbosity_error()
     config = transformers.AutoConfig.from_pretrained(path)
-    model = llm.engine.runner.model
-    dtype = next(model.parameters()).dtype
+    if args.device not in ("auto", "cpu"):
+        # The HF side runs and is timed on the CPU (no device syncs in its timing).
+        raise ConfigError("--compare hf needs --device cpu")
+    dtype = resolve_dtype(
+        args.dtype, getattr(config, "torch_dtype", None) and str(config.torch_dtype)
+    )
     # Cast after building: the dtype keyword of from_config differs across transformers versions.
     hf = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    loaded = model.load_weights(hf.state_dict().items())
-    missing = model.expected_weight_names() - loaded
-    if missing:
-        raise RuntimeError(f"HF model lacks weights qiao needs: {sorted(missing)[:5]}")
-    return hf
+    with tempfile.TemporaryDirectory(prefix="qiao-hf-twin-") as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        llm = build_llm(Path(tmp), dataclasses.replace(args, load_format="safetensors"))
+    return llm, hf
 
 
 def pad_token_id(hf: Any) -> int:

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from qiao.layers.linear import LinearBase
+from qiao.layers.linear_method import DenseMethod, Int8Method, OneDnnMethod, onednn_linear_available
+
 # (M, K, N): activations [M, K] times weights [K, N]. Decode multiplies a few rows by a weight
 # matrix (reads dominate); prefill multiplies hundreds of rows (compute dominates).
 DECODE_SHAPES = ((1, 2048, 2048), (1, 2048, 8192), (16, 2048, 2048), (64, 2048, 2048))
@@ -26,7 +29,8 @@ QUICK_COPY_MIB = 32
 
 @dataclass(frozen=True)
 class MatmulResult:
-    dtype: str  # "int8" means int8 weights, bfloat16 activations, per-channel scales
+    dtype: str  # "int8": qiao's weight-only int8 (int8 weights, per-channel scales)
+    impl: str  # "torch" (F.linear), "onednn" (weight prepacked once), "qiao" (int8 method)
     m: int
     k: int
     n: int
@@ -42,7 +46,6 @@ class HwReport:
     copy_gbps: float  # (bytes read + bytes written) / seconds / 1e9, median
     copy_mib: int
     matmuls: list[MatmulResult] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # dtype -> why it was not measured
 
     def ceiling_gflops(self, dtype: str) -> float | None:
         """The best matmul rate measured for `dtype`: the compute ceiling."""
@@ -77,38 +80,44 @@ def measure_copy_gbps(size_mib: int = COPY_MIB, runs: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
-def int8_supported() -> str | None:
-    """None when `torch._weight_int8pack_mm` runs here; else why not."""
-    try:
-        x = torch.ones(2, 64, dtype=torch.bfloat16)
-        w = torch.ones(32, 64, dtype=torch.int8)
-        torch._weight_int8pack_mm(x, w, torch.ones(32, dtype=torch.bfloat16))
-    except (RuntimeError, AttributeError, NotImplementedError) as e:
-        return f"torch._weight_int8pack_mm unavailable: {str(e).splitlines()[0]}"
-    return None
+def impls_for(dtype: str) -> tuple[str, ...]:
+    """The ways this machine multiplies in `dtype`; the ceiling is the best of them."""
+    if dtype == "int8":
+        return ("qiao",)
+    if dtype in ("float32", "bfloat16") and onednn_linear_available():
+        return ("torch", "onednn")
+    return ("torch",)
 
 
-def measure_matmul(dtype: str, m: int, k: int, n: int, min_time: float) -> MatmulResult:
-    fn, weight_bytes = _matmul_fn(dtype, m, k, n)
-    seconds = median_time(fn, min_time)
+def measure_matmul(
+    dtype: str, m: int, k: int, n: int, min_time: float, impl: str = "torch"
+) -> MatmulResult:
+    layer = _linear(dtype, k, n, impl)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    x = x.to(getattr(torch, "float32" if dtype == "int8" else dtype))
+    seconds = median_time(lambda: layer(x), min_time)
+    weight_bytes = layer.weight.numel() * layer.weight.element_size()
     return MatmulResult(
-        dtype, m, k, n, seconds, 2 * m * k * n / seconds / 1e9, weight_bytes / seconds / 1e9
+        dtype,
+        impl,
+        m,
+        k,
+        n,
+        seconds,
+        2 * m * k * n / seconds / 1e9,
+        weight_bytes / seconds / 1e9,
     )
 
 
-def _matmul_fn(dtype: str, m: int, k: int, n: int) -> tuple[Callable[[], object], int]:
-    """The timed call and the weight bytes it reads."""
-    gen = torch.Generator().manual_seed(0)
-    if dtype == "int8":
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scales = torch.rand(n, generator=gen).to(torch.bfloat16)
-        return (lambda: torch._weight_int8pack_mm(x, w, scales)), w.numel() + 2 * n
-    torch_dtype = getattr(torch, dtype)
-    x = torch.randn(m, k, generator=gen).to(torch_dtype)
-    # Stored [N, K] and transposed, as nn.Linear does.
-    w = torch.randn(n, k, generator=gen).to(torch_dtype)
-    return (lambda: torch.nn.functional.linear(x, w)), w.numel() * w.element_size()
+def _linear(dtype: str, k: int, n: int, impl: str) -> LinearBase:
+    """A [K -> N] linear layer computing as `impl` does, weights stored [N, K] as nn.Linear's."""
+    layer = LinearBase(k, n, bias=False)
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    layer.weight.data = weight.to(torch.float32 if dtype == "int8" else getattr(torch, dtype))
+    methods = {"torch": DenseMethod, "onednn": lambda: OneDnnMethod(64), "qiao": Int8Method}
+    layer.method = methods[impl]()
+    layer.method.prepare(layer)
+    return layer
 
 
 @torch.inference_mode()
@@ -127,11 +136,11 @@ def run_hw(
         copy_mib=copy_mib,
     )
     for dtype in dtypes:
-        why_not = int8_supported() if dtype == "int8" else None
-        if why_not:
-            report.skipped[dtype] = why_not
-            continue
-        report.matmuls.extend(measure_matmul(dtype, m, k, n, min_time) for m, k, n in shapes)
+        report.matmuls.extend(
+            measure_matmul(dtype, m, k, n, min_time, impl)
+            for m, k, n in shapes
+            for impl in impls_for(dtype)
+        )
     return report
 
 
@@ -140,7 +149,11 @@ def measure_ceiling_gflops(dtype: str = "float32", quick: bool = False) -> float
     """The matmul ceiling alone: the best rate over the prefill shapes (quick: one small one)."""
     shapes = QUICK_SHAPES[-1:] if quick else PREFILL_SHAPES
     min_time = 0.05 if quick else 0.3
-    return max(measure_matmul(dtype, m, k, n, min_time).gflops for m, k, n in shapes)
+    return max(
+        measure_matmul(dtype, m, k, n, min_time, impl).gflops
+        for m, k, n in shapes
+        for impl in impls_for(dtype)
+    )
 
 
 def _device_name() -> str:
@@ -165,11 +178,12 @@ def format_hw(report: HwReport) -> str:
         f"memory copy bandwidth: {report.copy_gbps:.1f} GB/s (read + write, "
         f"{report.copy_mib} MiB tensor, median)",
         "",
-        f"{'dtype':<9} {'M':>5} {'K':>5} {'N':>5} {'ms':>9} {'GFLOP/s':>9} {'weight GB/s':>12}",
+        f"{'dtype':<9} {'impl':<7} {'M':>5} {'K':>5} {'N':>5} {'ms':>9} {'GFLOP/s':>9} "
+        f"{'weight GB/s':>12}",
     ]
     for r in report.matmuls:
         lines.append(
-            f"{r.dtype:<9} {r.m:>5} {r.k:>5} {r.n:>5} {r.seconds * 1e3:>9.3f} "
+            f"{r.dtype:<9} {r.impl:<7} {r.m:>5} {r.k:>5} {r.n:>5} {r.seconds * 1e3:>9.3f} "
             f"{r.gflops:>9.1f} {r.weight_gbps:>12.1f}"
         )
     lines.append("")
@@ -177,5 +191,4 @@ def format_hw(report: HwReport) -> str:
         ceiling = report.ceiling_gflops(dtype)
         if ceiling is not None:
             lines.append(f"ceiling {dtype}: {ceiling:.1f} GFLOP/s")
-    lines.extend(f"skipped {dtype}: {why}" for dtype, why in report.skipped.items())
     return "\n".join(lines)

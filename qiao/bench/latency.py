@@ -18,6 +18,7 @@ from qiao.bench.common import (
     LengthSpec,
     build_llm,
     context_len,
+    device_note,
     make_workload,
     median,
     model_dir,
@@ -39,6 +40,8 @@ class LatencyConfig:
     dtype: str = "float32"
     quantization: str | None = None
     load_format: str = "auto"
+    device: str = "auto"
+    cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
     repeat: int = 3
     seed: int = 0
     compare_hf: bool = False
@@ -56,6 +59,9 @@ class LatencyConfig:
             max_num_batched_tokens=max(self.batch_size * self.input_len, 2048),
             max_model_len=context_len(self.input_len + self.decode_steps + 1),
             seed=self.seed,
+            # HF runs on the CPU, so "auto" means the CPU for a same-machine comparison.
+            device="cpu" if self.compare_hf and self.device == "auto" else self.device,
+            cuda_graphs=self.cuda_graphs,
         )
 
 
@@ -105,12 +111,13 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
 
     with model_dir(cfg.model, cfg.shape) as path:
         arch = load_arch_config(path)
-        llm = build_llm(path, cfg.engine_args())
         hf = None
         if cfg.compare_hf:
-            from qiao.bench.hf_baseline import build_hf_twin
+            from qiao.bench.hf_baseline import build_with_hf_twin
 
-            hf = build_hf_twin(path, llm)
+            llm, hf = build_with_hf_twin(path, cfg.engine_args())
+        else:
+            llm = build_llm(path, cfg.engine_args())
         copy_gbps = cfg.copy_gbps or (
             measure_copy_gbps(QUICK_COPY_MIB) if cfg.quick_bandwidth else measure_copy_gbps()
         )
@@ -122,7 +129,10 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
         timer.run(warm_up.prompts)
         runs = _repeat_runs(cfg, timer, hf, arch.vocab_size)
         weight_bytes = weight_bytes_per_decode_step(llm.engine.runner.model)
-    return _summary(cfg, runs, weight_bytes, copy_gbps)
+    report = _summary(cfg, runs, weight_bytes, copy_gbps)
+    report["device"] = str(llm.engine.runner.device)
+    report["cuda_graphs"] = llm.engine.runner.use_cuda_graphs
+    return report
 
 
 def _repeat_runs(
@@ -201,7 +211,7 @@ def format_latency(report: dict[str, Any]) -> str:
     n = c["batch_size"]
     lines = [
         f"latency: {source}, {c['dtype']}, input {c['input_len']}, {c['decode_steps']} decode "
-        f"steps, median of {c['repeat']}",
+        f"steps, median of {c['repeat']}{device_note(report)}",
         f"  {'':<22} {'batch 1':>12} {f'batch {n}':>12}",
         _row("prefill ms", report["prefill_s_batch_1"] * 1e3, report["prefill_s_batch_n"] * 1e3),
         _row("prefill tok/s", report["prefill_tok_s_batch_1"], report["prefill_tok_s_batch_n"]),

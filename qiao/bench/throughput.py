@@ -17,6 +17,7 @@ from qiao.bench.common import (
     Workload,
     build_llm,
     context_len,
+    device_note,
     make_workload,
     median,
     model_dir,
@@ -41,6 +42,8 @@ class ThroughputConfig:
     dtype: str = "float32"
     quantization: str | None = None
     load_format: str = "auto"
+    device: str = "auto"
+    cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     repeat: int = 1
@@ -51,7 +54,7 @@ class ThroughputConfig:
     quick_ceiling: bool = False  # measure the ceiling on a small matmul (tests)
 
     def engine_args(self) -> EngineArgs:
-        # Weights copied from HF replace whatever qiao loads, so don't load a checkpoint first.
+        # With --compare hf, qiao loads HF's weights instead (build_with_hf_twin).
         dummy = self.shape is not None or self.compare_hf
         return EngineArgs(
             load_format="dummy" if dummy else self.load_format,
@@ -61,6 +64,9 @@ class ThroughputConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=context_len(self.input_len.hi + self.output_len.hi),
             seed=self.seed,
+            # HF runs on the CPU, so "auto" means the CPU for a same-machine comparison.
+            device="cpu" if self.compare_hf and self.device == "auto" else self.device,
+            cuda_graphs=self.cuda_graphs,
         )
 
 
@@ -73,12 +79,13 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
         raise ConfigError("--compare hf needs --ignore-eos: HF must generate as many tokens")
     with model_dir(cfg.model, cfg.shape) as path:
         arch = load_arch_config(path)
-        llm = build_llm(path, cfg.engine_args())
         hf = None
         if cfg.compare_hf:
-            from qiao.bench.hf_baseline import build_hf_twin
+            from qiao.bench.hf_baseline import build_with_hf_twin
 
-            hf = build_hf_twin(path, llm)
+            llm, hf = build_with_hf_twin(path, cfg.engine_args())
+        else:
+            llm = build_llm(path, cfg.engine_args())
         # The compute dtype's ceiling: float32's for the default --dtype float32.
         ceiling_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
         ceiling = cfg.ceiling_gflops or measure_ceiling_gflops(ceiling_dtype, cfg.quick_ceiling)
@@ -87,6 +94,8 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
         qiao_runs, hf_runs = _repeat_runs(cfg, llm, hf, arch, batch_sizes)
     report = _qiao_summary(qiao_runs, ceiling, ceiling_dtype)
     report["config"] = _config_dict(cfg)
+    report["device"] = str(llm.engine.runner.device)
+    report["cuda_graphs"] = llm.engine.runner.use_cuda_graphs
     if hf is not None:
         report["hf"] = _hf_summary(hf_runs, report["output_tok_s"])
     return report
@@ -203,7 +212,7 @@ def format_throughput(report: dict[str, Any]) -> str:
     source = c["shape"] or c["model"]
     lines = [
         f"throughput: {source}, {c['dtype']}, {c['num_prompts']} prompts, input {c['input_len']}, "
-        f"output {c['output_len']}, median of {c['repeat']}",
+        f"output {c['output_len']}, median of {c['repeat']}{device_note(report)}",
         f"  requests/s        {report['requests_per_s']:10.2f}",
         f"  output tok/s      {report['output_tok_s']:10.1f}",
         f"  total tok/s       {report['total_tok_s']:10.1f}",

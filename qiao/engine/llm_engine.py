@@ -51,6 +51,10 @@ class LLMEngine:
             dtype=dtype,
             device=device,
             load_format=mc.load_format,
+            quantization=mc.quantization,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=config.cuda_graphs,
         )
         cache = config.cache
         # Every running sequence at full length, each rounding up to whole blocks.

@@ -11,11 +11,15 @@ from tqdm.auto import tqdm
 
 from qiao.config import EngineConfig
 from qiao.engine.llm_engine import LLMEngine, PromptType
+from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
 from qiao.outputs import RequestOutput
+from qiao.profile import ProfileChoice
 from qiao.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+# Engine arguments a tuning profile may supply; passing None for one means "the default".
+_TUNED_DEFAULTS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks")
 
 
 class LLM:
@@ -26,19 +30,36 @@ class LLM:
     """
 
     def __init__(
-        self, model: str, *, trust_remote_code: bool = False, **engine_kwargs: Any
+        self,
+        model: str,
+        *,
+        trust_remote_code: bool = False,
+        num_threads: int | None = None,
+        profile: ProfileChoice = "auto",
+        **engine_kwargs: Any,
     ) -> None:
         """`engine_kwargs` are `EngineConfig.create`'s: tokenizer, dtype, load_format,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
         enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, scheduling_policy,
-        seed, device, skip_tokenizer_init."""
+        seed, device, skip_tokenizer_init, quantization.
+
+        `num_threads` sets torch's thread count (process-wide). `profile`: "auto" takes
+        `num_threads`, `max_num_seqs`, `max_num_batched_tokens` and `num_kv_blocks` defaults
+        from the `qiao tune` profile of this model on this machine, if there is one; a path
+        takes them from that file; None uses no profile. Arguments given here always win.
+        """
         if trust_remote_code:
             raise ConfigError("trust_remote_code: qiao never runs code shipped with a checkpoint")
         accepted = inspect.signature(EngineConfig.create).parameters
         unknown = sorted(set(engine_kwargs) - set(accepted))
         if unknown:
             raise ConfigError(f"LLM() got unknown argument(s): {', '.join(unknown)}")
-        config = EngineConfig.create(model, **engine_kwargs)
+        given = {**engine_kwargs, "num_threads": num_threads}
+        given.update(tuned_defaults(model, given, profile))
+        apply_num_threads(given.pop("num_threads"))
+        # A tuned setting left None means the engine's default (so CLIs can pass flags through).
+        kwargs = {k: v for k, v in given.items() if v is not None or k not in _TUNED_DEFAULTS}
+        config = EngineConfig.create(model, **kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -7,6 +7,7 @@ import platform as _host
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from qiao.errors import ConfigError
@@ -59,6 +60,24 @@ def _lookup(name: str, field: str) -> torch.dtype:
         allowed = ", ".join(["auto", *DTYPES])
         raise ConfigError(f"{field}: unsupported value {name!r}; allowed: {allowed}")
     return DTYPES[name]
+
+
+def to_device_async(
+    array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host array as a tensor on `device`, without making the host wait for the device.
+
+    The cast happens on the host (a cast inside a host-to-device copy would restage it in
+    pageable memory). On CUDA the array is staged in pinned memory, whose caching allocator
+    holds it until the asynchronous copy has read it; a copy from pageable memory may block on
+    the work already queued.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def total_memory_bytes(device: torch.device) -> int:

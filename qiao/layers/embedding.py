@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qiao.layers.linear import LinearBase
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -20,12 +22,15 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class ParallelLMHead(nn.Module):
-    """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+class ParallelLMHead(LinearBase):
+    """hidden [N, hidden_size] -> logits [N, vocab_size] in float32.
+
+    With tied embeddings the head is given the embedding's weight; a method that converts it
+    (packed, int8) keeps a converted copy and leaves the embedding's own tensor alone.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        super().__init__(hidden_size, vocab_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return super().forward(hidden).float()

@@ -5,16 +5,23 @@ row-parallel ones their input features (then all-reduce). qiao runs one rank, so
 the whole matrix and the all-reduce is the identity.
 
 Loading convention: `module.weight_loader(param, loaded_weight, shard_id)` copies one
-checkpoint tensor into `param`; fused layers place it by `shard_id`.
+checkpoint tensor into `param`; fused layers place it by `shard_id`. Once every tensor is in,
+`prepare_linears` gives each layer its `LinearMethod` (qiao/layers/linear_method.py), which may
+replace the weight with a packed or int8 copy.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qiao.errors import ModelLoadError
+from qiao.layers.linear_method import DenseMethod, LinearMethod, choose_method
+
+logger = logging.getLogger(__name__)
 
 
 def default_weight_loader(
@@ -46,6 +53,7 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.method: LinearMethod = DenseMethod()
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -53,7 +61,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -102,3 +110,19 @@ class QKVLinear(ColumnParallelLinear):
             raise ModelLoadError(f"shard id {shard_id!r} of qkv; expected 'q', 'k' or 'v'")
         offset, size = self.shards[shard_id]
         copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+
+
+def prepare_linears(model: nn.Module, *, quantization: str | None, batch_hint: int) -> None:
+    """Give every linear layer of a loaded model its method, converting its weight once."""
+    used: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.method = choose_method(
+                module.weight, quantization=quantization, batch_hint=batch_hint
+            )
+            module.method.prepare(module)
+            used[module.method.name] += 1
+    if used:
+        logger.info(
+            "linear layers: %s", ", ".join(f"{n} x {name}" for name, n in sorted(used.items()))
+        )

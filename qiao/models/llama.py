@@ -141,10 +141,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch)
-        # Tied: the head reads model.embed_tokens.weight; the checkpoint's lm_head is ignored.
-        self.lm_head = None
-        if not arch.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Tied: the head shares model.embed_tokens.weight; the checkpoint's lm_head is ignored.
+
+        Called again after the model moves off the meta device (which unties shared tensors).
+        """
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -154,8 +160,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32."""
-        if self.lm_head is None:
-            return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
-                self.lm_head is None and name == "lm_head.weight"
+                self.arch.tie_word_embeddings and name == "lm_head.weight"
             ):
                 continue
             param_name, shard_id = _param_name(name)

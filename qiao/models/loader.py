@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from qiao.errors import ConfigError, ModelLoadError
+from qiao.layers.linear import prepare_linears
 from qiao.models.arch_config import ArchConfig
 from qiao.models.registry import get_model_class
 
@@ -31,10 +32,15 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
+    quantization: str | None = None,
+    batch_hint: int = 128,
 ) -> nn.Module:
     """The model of `arch` on `device` in `dtype`, weights loaded, in eval mode.
 
     load_format "dummy" needs no checkpoint: small deterministic random weights (benchmarks).
+    Once loaded, every linear layer prepares its weights for the device (`prepare_linears`):
+    packed for the CPU's matmul library, or int8 with `quantization="int8"`; `batch_hint` is the
+    typical number of rows per matmul (the running-sequence limit).
     """
     if load_format not in LOAD_FORMATS:
         raise ConfigError(
@@ -45,10 +51,12 @@ def load_model(
     with torch.device("meta"):
         model = get_model_class(arch)(arch)
     model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         _load_checkpoint(model, Path(model_dir))
+    prepare_linears(model, quantization=quantization, batch_hint=batch_hint)
     return model.eval()
 
 

@@ -3,6 +3,8 @@
 The runner owns every device tensor: the weights, the paged KV cache and the step inputs. It turns
 a `SchedulerOutput` into flat `input_ids` / `positions` / `slot_mapping` (no padding), runs the
 model, computes logits only for the last token of each sequence that samples, and samples.
+Pure-decode steps may instead run padded to a static bucket and replay a CUDA graph
+(`cuda_graphs.DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from qiao.config import (
     CacheConfig,
 )
 from qiao.errors import ConfigError
-from qiao.hal.platform import total_memory_bytes
+from qiao.hal.platform import to_device_async, total_memory_bytes
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
+from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
 from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
@@ -39,12 +42,27 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         load_format: str,
+        quantization: str | None = None,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or arch.max_position_embeddings
+        # None: on for CUDA. Pure-decode steps then replay a captured graph (see cuda_graphs).
+        self.use_cuda_graphs = resolve_cuda_graphs(cuda_graphs, device)
+        self.decode_graphs: DecodeGraphs | None = None
         self.model = load_model(
-            model_dir, arch, dtype=dtype, device=device, load_format=load_format
+            model_dir,
+            arch,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            quantization=quantization,
+            batch_hint=max_num_seqs,
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -88,8 +106,10 @@ class ModelRunner:
         return max(1, min(int(budget // per_block), useful))
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the pool's `num_blocks` blocks plus the scratch block (id `num_blocks`, never
+        handed out) that padded decode rows write to; then capture the decode graphs if on."""
         arch = self.arch
-        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = (2, num_blocks + 1, block_size, arch.num_key_value_heads, arch.head_dim)
         # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -103,20 +123,45 @@ class ModelRunner:
             block_size,
             num_blocks * self.kv_bytes_per_block(block_size) / 2**20,
         )
+        if self.use_cuda_graphs:
+            self.enable_padded_decode(capture=True)
+
+    def enable_padded_decode(self, capture: bool) -> None:
+        """Run pure-decode steps through static, padded buffers (`cuda_graphs.DecodeGraphs`),
+        replaying CUDA graphs with `capture`; without it (CPU tests) the same path runs eagerly."""
+        num_blocks = self.kv_caches[0].shape[1] - 1
+        elem = self.kv_caches[0].element_size()
+        layout = DecodeLayout(
+            block_size=self.block_size,
+            scratch_block=num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_blocks=min(num_blocks, -(-self.max_model_len // self.block_size)),
+            kv_bytes_per_token=2 * self.arch.num_key_value_heads * self.arch.head_dim * elem,
+        )
+        self.decode_graphs = DecodeGraphs(self.model, layout, self.device)
+        if capture:
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
-        input_ids, positions, metadata = self._prepare_inputs(scheduler_output)
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = None
+        if self.decode_graphs is not None:
+            # Row i is sequence i's one token, or None: not pure decode, or no bucket fits.
+            hidden = self.decode_graphs.run(scheduler_output)
+            last_token = np.arange(len(scheduled))
+        if hidden is None:
+            input_ids, positions, metadata = self._prepare_inputs(scheduler_output)
+            hidden = self.model(input_ids, positions, metadata)
+            # The last token of sequence i sits at query_start_loc[i + 1] - 1.
+            last_token = metadata.query_start_loc_cpu[1:] - 1
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput()
-        # The last token of sequence i sits at query_start_loc[i + 1] - 1.
-        last_token = metadata.query_start_loc_cpu[1:][sample_rows] - 1
-        logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
+        rows = to_device_async(last_token[sample_rows], self.device)
+        logits = self.model.compute_logits(hidden[rows])
         requests = [scheduled[i].request for i in sample_rows]
         sampling = SamplingMetadata.from_rows(
             [
@@ -155,7 +200,7 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
 
         def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
+            return to_device_async(array, self.device, dtype)
 
         positions_t = dev(positions, torch.int64)
         metadata = AttentionMetadata(

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from qiao.attention.backends.base import AttentionBackend
 from qiao.attention.metadata import AttentionMetadata
+from qiao.hal.platform import to_device_async
 
 
 @dataclass
@@ -87,7 +88,8 @@ def plan_group(metadata: AttentionMetadata, seq_ids: np.ndarray, device: torch.d
     valid_slots = np.flatnonzero(slot[None, :] < query_lens[:, None])
 
     def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+        # Planned by the first layer, after the step's first kernels are queued: no host wait.
+        return to_device_async(array, device)
 
     return Group(
         seq_ids=to_device(seq_ids.astype(np.int64)),

@@ -2,8 +2,13 @@
 // and fused one-pass RMSNorm, residual-add + RMSNorm, SiLU-and-mul and rotary embedding.
 // Each has a plain-PyTorch reference in qiao (the test oracle and the fallback).
 // Compute is float32 whatever the storage dtype (float32, bfloat16, float16).
+// Plus the weight-only int8 matmul for few rows (decode), reading each int8 weight once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QIAO_AVX512 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -191,6 +196,73 @@ void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(x[i]) * r)));
 }
 
+
+// Weight-only int8: out[m, n] = scale[n] * bf16(sum_k x[m, k] * w[n, k]) (+ bias[n]), w int8
+// [N, K]. The sum is rounded to bfloat16 as a bfloat16 matmul rounds its output, so few rows
+// (this kernel) and many rows (bfloat16 matmul on the exact bfloat16 copy of w) agree.
+// Bandwidth-bound for few rows, so each weight is loaded once and used for every row of x:
+// a tile of kRowsW weight rows x MB rows of x keeps kRowsW * MB accumulators in registers.
+constexpr int64_t kRowsW = 4;
+
+inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+#ifdef QIAO_AVX512
+template <int MB, int NW>
+void int8_tile(float* out, int64_t ldo, const float* x, int64_t K, const int8_t* w) {
+  __m512 acc[NW][MB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NW; ++j)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K & 15)) - 1);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = k + 16 <= K ? static_cast<__mmask16>(0xFFFF) : tail;
+    __m512 xv[MB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      // The next tile's rows: four interleaved short streams defeat the hardware prefetcher.
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (NW + j) * K + k), _MM_HINT_T0);
+      const __m128i wb = _mm_maskz_loadu_epi8(mask, w + j * K + k);
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(wb));
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_fmadd_ps(wv, xv[m], acc[j][m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NW; ++j)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) out[m * ldo + j] = round_bf16(_mm512_reduce_add_ps(acc[j][m]));
+}
+#endif
+
+template <int MB>
+void int8_tile_scalar(float* out, int64_t ldo, const float* x, int64_t K, const int8_t* w,
+                      int64_t nw) {
+  for (int64_t j = 0; j < nw; ++j)
+    for (int m = 0; m < MB; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * static_cast<float>(w[j * K + k]);
+      out[m * ldo + j] = round_bf16(acc);
+    }
+}
+
+template <int MB>
+void int8_rows(float* out, const float* x, const int8_t* w, int64_t N, int64_t K, int64_t n0,
+               int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kRowsW) {
+    const int64_t nw = std::min(kRowsW, n1 - n);
+#ifdef QIAO_AVX512
+    if (nw == kRowsW) {  // full tiles vectorised; the last partial one below
+      int8_tile<MB, kRowsW>(out + n, N, x, K, w + n * K);
+      continue;
+    }
+#endif
+    int8_tile_scalar<MB>(out + n, N, x, K, w + n * K, nw);
+  }
+}
+
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -305,7 +377,39 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
+
+// x [M, K] float32, w [N, K] int8, scale [N] float32, bias [N] float32 or empty -> [M, N] float32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kInt8);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0));
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "int8_linear: x has ", K, " features, w ", w.size(1));
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  // Split the output features across threads; each thread streams its own weight rows once.
+  at::parallel_for(0, (N + kRowsW - 1) / kRowsW, 8, [&](int64_t b, int64_t e) {
+    const int64_t n0 = b * kRowsW, n1 = std::min(N, e * kRowsW);
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* xm = xp + m * K;
+      float* om = op + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: int8_rows<1>(om, xm, wp, N, K, n0, n1); break;
+        case 2: int8_rows<2>(om, xm, wp, N, K, n0, n1); break;
+        case 3: int8_rows<3>(om, xm, wp, N, K, n0, n1); break;
+        default: int8_rows<4>(om, xm, wp, N, K, n0, n1); break;
+      }
+    }
+  });
+  out.mul_(scale);
+  if (bias.numel() > 0) out.add_(bias);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "x @ (scale * w_int8)^T + bias, for few rows of x");
   m.def("paged_attention", &paged_attention, "attention of new tokens over the paged KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
