@@ -179,6 +179,8 @@ def test_latency_with_hf_comparison(tmp_path: Path) -> None:
         "copy_gbps",
     ):
         assert report[key] > 0, key
+    for key in ("step_overhead_batch_1", "step_overhead_batch_n"):
+        assert 0 < report[key] < 1, key
     assert report["prefill_tok_s_batch_n"] == pytest.approx(3 * 16 / report["prefill_s_batch_n"])
     hf = report["hf"]
     assert hf["qiao_over_hf_decode"] == pytest.approx(

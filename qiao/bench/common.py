@@ -160,11 +160,12 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 def weight_bytes_per_decode_step(model: Any) -> int:
     """Bytes of weights one decode step reads: every parameter and weight buffer once, except
     the input embedding table, of which a step reads only one row per sequence. The lm_head is
-    read whole, whether it is its own tensor, the tied embedding or a packed / int8 copy."""
+    read whole, whether it is its own tensor, the tied embedding or a packed / int8 copy. int8
+    layers' bfloat16 copies (`weight_bf16`) serve only batches too large for the int8 kernel."""
     total = 0
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     for name, tensor in tensors:
-        if "rotary" in name or "embed_tokens" in name:
+        if "rotary" in name or "embed_tokens" in name or name.endswith("weight_bf16"):
             continue
         total += tensor.numel() * tensor.element_size()
     return total

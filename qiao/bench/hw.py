@@ -96,7 +96,7 @@ def measure_matmul(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     x = x.to(getattr(torch, "float32" if dtype == "int8" else dtype))
     seconds = median_time(lambda: layer(x), min_time)
-    weight_bytes = layer.weight.numel() * layer.weight.element_size()
+    weight_bytes = layer.weight.numel() * layer.weight.element_size()  # int8: the int8 tensor
     return MatmulResult(
         dtype,
         impl,

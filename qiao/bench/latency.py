@@ -69,6 +69,34 @@ class LatencyConfig:
 class BatchTiming:
     prefill_s: float  # the step that computes every prompt and samples each first token
     decode_step_s: float  # median decode step (one new token for each sequence)
+    # Median share of a decode step spent outside the model's forward and logits: scheduling,
+    # input building, sampling, output processing.
+    step_overhead: float
+
+
+class _ModelClock:
+    """Seconds spent inside the model's `forward` and `compute_logits` (wrapped in place)."""
+
+    def __init__(self, model: Any, device: Any) -> None:
+        self.seconds = 0.0
+        self._sync = device.type == "cuda"
+        for name in ("forward", "compute_logits"):
+            setattr(model, name, self._timed(getattr(model, name)))
+
+    def _timed(self, fn: Any) -> Any:
+        import torch
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._sync:
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self._sync:
+                torch.cuda.synchronize()
+            self.seconds += time.perf_counter() - begin
+            return out
+
+        return timed
 
 
 class _EngineTimer:
@@ -78,6 +106,7 @@ class _EngineTimer:
         self.engine = engine
         self.decode_steps = decode_steps
         self._ids = itertools.count()
+        self.clock = _ModelClock(engine.runner.model, engine.runner.device)
 
     def run(self, prompts: list[list[int]]) -> BatchTiming:
         from qiao.sampling_params import SamplingParams
@@ -86,22 +115,26 @@ class _EngineTimer:
         params = SamplingParams(temperature=0.0, max_tokens=self.decode_steps + 1, ignore_eos=True)
         for prompt in prompts:
             self.engine.add_request(f"latency-{next(self._ids)}", prompt, params)
-        prefill_s = self._timed_step(len(prompts), "prefill")
+        prefill_s, _ = self._timed_step(len(prompts), "prefill")
         steps = [self._timed_step(len(prompts), "decode") for _ in range(self.decode_steps)]
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        return BatchTiming(prefill_s, median(steps))
+        overhead = median([1 - in_model / total for total, in_model in steps])
+        return BatchTiming(prefill_s, median([total for total, _ in steps]), overhead)
 
-    def _timed_step(self, batch_size: int, phase: str) -> float:
+    def _timed_step(self, batch_size: int, phase: str) -> tuple[float, float]:
+        """(seconds of the step, seconds of it inside the model)."""
         before = self.engine.num_generated_tokens_total
+        in_model = self.clock.seconds
         begin = time.perf_counter()
         self.engine.step()
         seconds = time.perf_counter() - begin
+        in_model = self.clock.seconds - in_model
         produced = self.engine.num_generated_tokens_total - before
         if produced != batch_size:
             # Then the step was not the phase we mean to time (a chunked prompt, a preemption).
             raise RuntimeError(f"{phase} step produced {produced} tokens for {batch_size} requests")
-        return seconds
+        return seconds, in_model
 
 
 def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
@@ -159,6 +192,8 @@ def _repeat_runs(
             decode_step_s_batch_1=single.decode_step_s,
             prefill_s_batch_n=batch.prefill_s,
             decode_step_s_batch_n=batch.decode_step_s,
+            step_overhead_batch_1=single.step_overhead,
+            step_overhead_batch_n=batch.step_overhead,
         )
         if hf is not None and index % 2 == 0:
             run.update(_hf_run(hf, prompts[0], cfg.decode_steps))
@@ -209,8 +244,9 @@ def format_latency(report: dict[str, Any]) -> str:
     c = report["config"]
     source = c["shape"] or c["model"]
     n = c["batch_size"]
+    quant = f" weights as {c['quantization']}" if c.get("quantization") else ""
     lines = [
-        f"latency: {source}, {c['dtype']}, input {c['input_len']}, {c['decode_steps']} decode "
+        f"latency: {source}, {c['dtype']}{quant}, input {c['input_len']}, {c['decode_steps']} decode "
         f"steps, median of {c['repeat']}{device_note(report)}",
         f"  {'':<22} {'batch 1':>12} {f'batch {n}':>12}",
         _row("prefill ms", report["prefill_s_batch_1"] * 1e3, report["prefill_s_batch_n"] * 1e3),
@@ -221,6 +257,12 @@ def format_latency(report: dict[str, Any]) -> str:
             report["decode_step_s_batch_n"] * 1e3,
         ),
         _row("decode tok/s", report["decode_tok_s_batch_1"], report["decode_tok_s_batch_n"]),
+        _row(
+            "step overhead %",
+            report["step_overhead_batch_1"] * 100,
+            report["step_overhead_batch_n"] * 100,
+        ),
+        "  (step overhead: share of a decode step outside the model's forward and logits)",
         f"  batch-1 decode reads {report['weight_bytes'] / 1e6:.1f} MB of weights per step: "
         f"{report['weight_gbps_batch_1']:.2f} GB/s = {report['share_of_copy_bandwidth']:.1%} of "
         f"copy bandwidth {report['copy_gbps']:.1f} GB/s "

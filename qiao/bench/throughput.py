@@ -88,6 +88,8 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
             llm = build_llm(path, cfg.engine_args())
         # The compute dtype's ceiling: float32's for the default --dtype float32.
         ceiling_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+        if cfg.quantization == "int8":
+            ceiling_dtype = "bfloat16"  # int8 weights multiply in bfloat16 beyond a few rows
         ceiling = cfg.ceiling_gflops or measure_ceiling_gflops(ceiling_dtype, cfg.quick_ceiling)
         batch_sizes = [b for b in cfg.hf_batch_sizes if b <= cfg.num_prompts]
         _warm_up(llm, hf, arch.vocab_size)
@@ -210,8 +212,9 @@ def _config_dict(cfg: ThroughputConfig) -> dict[str, Any]:
 def format_throughput(report: dict[str, Any]) -> str:
     c = report["config"]
     source = c["shape"] or c["model"]
+    quant = f" weights as {c['quantization']}" if c.get("quantization") else ""
     lines = [
-        f"throughput: {source}, {c['dtype']}, {c['num_prompts']} prompts, input {c['input_len']}, "
+        f"throughput: {source}, {c['dtype']}{quant}, {c['num_prompts']} prompts, input {c['input_len']}, "
         f"output {c['output_len']}, median of {c['repeat']}{device_note(report)}",
         f"  requests/s        {report['requests_per_s']:10.2f}",
         f"  output tok/s      {report['output_tok_s']:10.1f}",

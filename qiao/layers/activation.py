@@ -6,15 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qiao.kernels import ops_for
-
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * I] laid out as [gate | up] -> silu(gate) * up, [..., I]."""
+    """[..., 2 * I] laid out as [gate | up] -> silu(gate) * up, [..., I].
+
+    Plain PyTorch: its vectorised silu and multiply measured 7x faster than a fused C++ loop at
+    decode sizes (128 x 1536: 0.10 vs 0.75 ms), so there is no kernel for this one.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = ops_for(x)
-        if ops is not None and x.is_contiguous():
-            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
