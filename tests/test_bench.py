@@ -222,6 +222,26 @@ def test_unsupported_quantization_is_a_clear_error() -> None:
 # --- serve ------------------------------------------------------------------------------------
 
 
+def test_max_rate_within_p99_slo_needs_both_tails_and_no_errors() -> None:
+    from qiao.bench.serve_report import max_rate_within_p99_slo
+
+    def rate(r: float | str, ttft: float, itl: float, errors: int = 0) -> dict:
+        return {
+            "request_rate": r,
+            "num_errors": errors,
+            "slo": {"ttft_s": 2.0, "itl_s": 0.25},
+            "ttft_s": {"p99": ttft},
+            "itl_s": {"p99": itl},
+            "output_token_throughput": 1.0,
+        }
+
+    rates = [rate(0.5, 0.3, 0.1), rate(1, 1.9, 0.2), rate(1.5, 1.0, 0.3), rate(2, 2.5, 0.1)]
+    assert max_rate_within_p99_slo({"rates": rates})["request_rate"] == 1
+    rates[1]["num_errors"] = 1
+    assert max_rate_within_p99_slo({"rates": rates})["request_rate"] == 0.5
+    assert max_rate_within_p99_slo({"rates": [rate("inf", 3.0, 0.1)]}) is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

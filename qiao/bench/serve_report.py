@@ -64,6 +64,28 @@ def summarize(
     }
 
 
+def meets_p99_slo(rate: dict[str, Any]) -> bool:
+    """Whether a rate's run held the SLO at the tail: every request completed, p99 TTFT <= the
+    TTFT SLO and p99 inter-token latency <= the ITL SLO."""
+    slo = rate["slo"]
+    ttft, itl = rate["ttft_s"]["p99"], rate["itl_s"]["p99"]
+    return (
+        rate["num_errors"] == 0
+        and ttft is not None
+        and itl is not None
+        and ttft <= slo["ttft_s"]
+        and itl <= slo["itl_s"]
+    )
+
+
+def max_rate_within_p99_slo(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The highest offered rate whose run met the SLO at p99 (None: no rate did)."""
+    passing = [r for r in report["rates"] if meets_p99_slo(r)]
+    if not passing:
+        return None
+    return max(passing, key=lambda r: math.inf if r["request_rate"] == "inf" else r["request_rate"])
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
@@ -85,6 +107,15 @@ def format_serve(report: dict[str, Any]) -> str:
             f"{r['goodput']:>7.2f}  " + "  ".join(f"{cell:>24}" for cell in cells)
         )
         lines.extend(f"       error x{n}: {msg}" for msg, n in r["errors"].items())
+    best = max_rate_within_p99_slo(report)
+    lines.append(
+        "highest rate with p99 TTFT and p99 ITL within the SLO: "
+        + (
+            "none"
+            if best is None
+            else f"{best['request_rate']} req/s ({best['output_token_throughput']:.1f} output tok/s)"
+        )
+    )
     return "\n".join(lines)
 
 
@@ -106,6 +137,8 @@ def plot_serve(report: dict[str, Any], path: str | Path) -> None:
             y = [r[key][f"p{p}"] for r in rates]
             y = [math.nan if v is None else v * 1e3 for v in y]
             ax.plot(x, y, marker="o", label=f"p{p}")
+        if key in rates[0]["slo"]:  # TTFT and ITL have an SLO line
+            ax.axhline(rates[0]["slo"][key] * 1e3, color="gray", linestyle="--", label="SLO")
         ax.set_title(f"{name} (ms)")
         ax.set_xlabel("request rate (req/s)")
         ax.set_xticks(x, [str(r["request_rate"]) for r in rates])
