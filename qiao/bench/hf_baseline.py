@@ -23,6 +23,13 @@ if TYPE_CHECKING:
     from qiao.entrypoints.llm import LLM
 
 
+def build_llm_and_baseline(path: Path, args: EngineArgs, compare_hf: bool) -> tuple[LLM, Any]:
+    """The engine under test and, with `compare_hf`, its HF twin (else None)."""
+    if not compare_hf:
+        return build_llm(path, args), None
+    return build_with_hf_twin(path, args)
+
+
 def build_with_hf_twin(path: Path, args: EngineArgs) -> tuple[LLM, Any]:
     """(qiao, transformers) on the same weights: `AutoModelForCausalLM.from_config(config.json
     at path)` in qiao's dtype, eval mode, its (random) weights saved as a safetensors checkpoint

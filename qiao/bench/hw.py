@@ -16,6 +16,7 @@ import torch
 
 from qiao.layers.linear import LinearBase
 from qiao.layers.linear_method import DenseMethod, Int8Method, OneDnnMethod, onednn_linear_available
+from qiao.profile import cpu_model
 
 # (M, K, N): activations [M, K] times weights [K, N]. Decode multiplies a few rows by a weight
 # matrix (reads dominate); prefill multiplies hundreds of rows (compute dominates).
@@ -159,17 +160,7 @@ def measure_ceiling_gflops(dtype: str = "float32", quick: bool = False) -> float
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    # platform.processor() is often empty or just "x86_64" on Linux; cpuinfo names the part.
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def format_hw(report: HwReport) -> str:

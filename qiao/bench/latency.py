@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from qiao.bench.common import (
     EngineArgs,
     LengthSpec,
-    build_llm,
     context_len,
     device_note,
     make_workload,
@@ -49,7 +48,8 @@ class LatencyConfig:
     quick_bandwidth: bool = False  # measure bandwidth on a small tensor (tests)
 
     def engine_args(self) -> EngineArgs:
-        dummy = self.shape is not None or self.compare_hf
+        # (With --compare hf, qiao loads HF's weights instead: build_with_hf_twin.)
+        dummy = self.shape is not None
         return EngineArgs(
             load_format="dummy" if dummy else self.load_format,
             dtype=self.dtype,
@@ -139,18 +139,13 @@ class _EngineTimer:
 
 def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     """Run the benchmark; return the report (as written by `--json`)."""
+    from qiao.bench.hf_baseline import build_llm_and_baseline
     from qiao.bench.hw import QUICK_COPY_MIB, measure_copy_gbps
     from qiao.models.arch_config import load_arch_config
 
     with model_dir(cfg.model, cfg.shape) as path:
         arch = load_arch_config(path)
-        hf = None
-        if cfg.compare_hf:
-            from qiao.bench.hf_baseline import build_with_hf_twin
-
-            llm, hf = build_with_hf_twin(path, cfg.engine_args())
-        else:
-            llm = build_llm(path, cfg.engine_args())
+        llm, hf = build_llm_and_baseline(path, cfg.engine_args(), cfg.compare_hf)
         copy_gbps = cfg.copy_gbps or (
             measure_copy_gbps(QUICK_COPY_MIB) if cfg.quick_bandwidth else measure_copy_gbps()
         )

@@ -15,7 +15,6 @@ from qiao.bench.common import (
     EngineArgs,
     LengthSpec,
     Workload,
-    build_llm,
     context_len,
     device_note,
     make_workload,
@@ -54,8 +53,8 @@ class ThroughputConfig:
     quick_ceiling: bool = False  # measure the ceiling on a small matmul (tests)
 
     def engine_args(self) -> EngineArgs:
-        # With --compare hf, qiao loads HF's weights instead (build_with_hf_twin).
-        dummy = self.shape is not None or self.compare_hf
+        # (With --compare hf, qiao loads HF's weights instead: build_with_hf_twin.)
+        dummy = self.shape is not None
         return EngineArgs(
             load_format="dummy" if dummy else self.load_format,
             dtype=self.dtype,
@@ -72,6 +71,7 @@ class ThroughputConfig:
 
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     """Run the benchmark; return the report (as written by `--json`)."""
+    from qiao.bench.hf_baseline import build_llm_and_baseline
     from qiao.bench.hw import measure_ceiling_gflops
     from qiao.models.arch_config import load_arch_config
 
@@ -79,13 +79,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
         raise ConfigError("--compare hf needs --ignore-eos: HF must generate as many tokens")
     with model_dir(cfg.model, cfg.shape) as path:
         arch = load_arch_config(path)
-        hf = None
-        if cfg.compare_hf:
-            from qiao.bench.hf_baseline import build_with_hf_twin
-
-            llm, hf = build_with_hf_twin(path, cfg.engine_args())
-        else:
-            llm = build_llm(path, cfg.engine_args())
+        llm, hf = build_llm_and_baseline(path, cfg.engine_args(), cfg.compare_hf)
         # The compute dtype's ceiling: float32's for the default --dtype float32.
         ceiling_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
         if cfg.quantization == "int8":

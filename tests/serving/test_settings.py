@@ -148,3 +148,14 @@ def test_serve_help_lists_the_flags() -> None:
     ):
         assert flag in result.stdout, f"{flag} missing from qiao serve --help"
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_quantization_reaches_the_engine_config_and_bad_values_are_named() -> None:
+    from qiao.api.server import engine_config
+
+    config, _ = engine_config(load_settings(["--quantization", "int8", "--no-profile"]))
+    assert config.model.quantization == "int8"
+    config, _ = engine_config(load_settings(["--no-profile"]))
+    assert config.model.quantization is None
+    with pytest.raises(ConfigError, match="quantization"):
+        load_settings(["--quantization", "int4"])
