@@ -27,3 +27,11 @@ class QueueFullError(QiaoError):
 
 class EngineUnavailableError(QiaoError):
     """The engine is draining, stopped or failed; the request was not (or no longer) served."""
+
+
+class ModelNotFoundError(QiaoError, LookupError):
+    """No such model (or version) is served. The message names it."""
+
+
+class QueueTimeoutError(QiaoError):
+    """A request waited in a batcher queue past its timeout and was not run."""

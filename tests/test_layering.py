@@ -20,9 +20,11 @@ LAYERS = {
     "qiao.runner": 4,
     "qiao.engine": 5,
     "qiao.entrypoints": 6,
-    "qiao.api": 6,
-    "qiao.cli": 7,
-    "qiao.bench": 7,
+    "qiao.repository": 6,
+    "qiao.api": 7,
+    "qiao.export": 8,
+    "qiao.cli": 8,
+    "qiao.bench": 8,
 }
 
 

@@ -13,7 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qiao.errors import ConfigError, EngineUnavailableError, QueueFullError
+from qiao.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    ModelNotFoundError,
+    QueueFullError,
+    QueueTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +80,10 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(
             503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}
         )
+    if isinstance(exc, QueueTimeoutError):
+        return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), code="model_not_found")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, ConfigError):
