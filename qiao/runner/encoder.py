@@ -1,0 +1,322 @@
+"""Sentence encoders as the serving layer runs them: text -> token ids -> one vector per text.
+
+Two backends behind one `Encoder` protocol: `TorchEncoder` runs the BERT encoder of a Hugging
+Face checkpoint in PyTorch, `OnnxEncoder` runs a version folder written by `qiao export onnx`
+in onnxruntime. Both tokenize with the checkpoint's `tokenizer.json` (the `tokenizers` library;
+no transformers import at serve time) and return float32 [rows, dim] embeddings, mean-pooled
+over the real tokens and L2-normalised when the checkpoint says so (as sentence-transformers).
+
+This module also owns the ONNX version folder's metadata file (`OnnxEncoderMetadata`), which the
+exporter writes and `OnnxEncoder` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import numpy as np
+import torch
+
+from qiao.errors import ConfigError, ModelLoadError
+from qiao.hal.platform import DTYPES
+from qiao.models.bert import (
+    load_bert_config,
+    load_pooling_config,
+    load_sentence_encoder,
+    max_sequence_length,
+)
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+# Repository `precision_mode` -> torch dtype of the PyTorch backend.
+PRECISIONS: dict[str, torch.dtype] = {
+    "FP32": torch.float32,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+BACKENDS = ("embedding", "onnx")
+TOKENIZER_FILE = "tokenizer.json"
+ONNX_MODEL_FILE = "model.onnx"
+ONNX_METADATA_FILE = "qiao_encoder.json"
+ONNX_FORMAT = "qiao-onnx-encoder"
+ONNX_INPUTS = ("input_ids", "attention_mask")
+ONNX_OUTPUT = "embedding"
+
+
+class Encoder(Protocol):
+    """Text -> token ids -> embeddings. `embed` may run on a worker thread (one call at a time)."""
+
+    dim: int  # embedding size
+    max_length: int  # longest token sequence accepted, [CLS] and [SEP] included
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text with [CLS]/[SEP]; longer texts are cut to `max_length`."""
+        ...
+
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 [len(token_ids), dim]. Raises `ConfigError` for an empty batch, an empty row,
+        a row longer than `max_length` or an id outside the vocabulary."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class OnnxEncoderMetadata:
+    """`qiao_encoder.json` of an exported version folder: what `OnnxEncoder` needs besides the
+    graph, and how the export was checked."""
+
+    dim: int
+    max_length: int
+    vocab_size: int
+    normalize: bool  # already applied inside the graph; recorded for the reader
+    opset: int
+    max_abs_diff: float  # ONNX Runtime vs PyTorch on the export's check inputs
+    atol: float
+    source: str  # the checkpoint directory exported
+    format: str = ONNX_FORMAT
+    format_version: int = 1
+
+    def write(self, folder: Path) -> None:
+        (folder / ONNX_METADATA_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: Path) -> OnnxEncoderMetadata:
+        path = folder / ONNX_METADATA_FILE
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{path} not found: an onnx version folder is written by `qiao export onnx`"
+            )
+        try:
+            raw = json.loads(path.read_text())
+            metadata = cls(**raw)
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ModelLoadError(f"{path}: not a valid qiao encoder metadata file ({e})") from None
+        if metadata.format != ONNX_FORMAT or metadata.format_version != 1:
+            raise ModelLoadError(
+                f"{path}: format {metadata.format!r} v{metadata.format_version} unsupported; "
+                f"expected {ONNX_FORMAT!r} v1"
+            )
+        return metadata
+
+
+class _TokenizingEncoder:
+    """Tokenizing and batch building shared by both backends."""
+
+    dim: int
+    vocab_size: int
+
+    def __init__(self, tokenizer_dir: Path, max_length: int, vocab_size: int, dim: int) -> None:
+        self.dim = dim
+        self.vocab_size = vocab_size
+        self.model_max_length = max_length  # the model's own limit; max_length may go lower
+        self._tokenizer = load_tokenizer(tokenizer_dir, max_length)
+        self._max_length = max_length
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @max_length.setter
+    def max_length(self, value: int) -> None:
+        """Lower the limit (a repository's `max_sequence_length`); tokenize() truncates to it.
+
+        Set it before serving: the tokenizer is reconfigured in place."""
+        if not 1 <= value <= self.model_max_length:
+            raise ConfigError(
+                f"max_sequence_length: must be in [1, {self.model_max_length}] for this model, "
+                f"got {value}"
+            )
+        self._tokenizer.enable_truncation(value)
+        self._max_length = value
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        if isinstance(texts, str):
+            raise ConfigError("texts: expected a list of strings, got one string")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise ConfigError(f"texts[{i}]: expected a string, got {type(text).__name__}")
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(list(texts))]
+
+    def _padded_batch(self, token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), int64 [rows, longest row], after checking every row."""
+        rows = self._check_rows(token_ids)
+        lengths = np.fromiter((row.size for row in rows), dtype=np.int64, count=len(rows))
+        flat = np.concatenate(rows).astype(np.int64, copy=False)
+        if flat.min() < 0 or flat.max() >= self.vocab_size:
+            bad = int(flat[(flat < 0) | (flat >= self.vocab_size)][0])
+            raise ConfigError(
+                f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        # E.g. lengths [3, 1] -> mask [[1, 1, 1], [1, 0, 0]]; the flat ids fill the set cells
+        # in row-major order, which is their order in `flat`.
+        mask = np.arange(lengths.max()) < lengths[:, None]
+        input_ids = np.zeros(mask.shape, dtype=np.int64)
+        input_ids[mask] = flat
+        return input_ids, mask.astype(np.int64)
+
+    def _check_rows(self, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if len(token_ids) == 0:
+            raise ConfigError("token_ids: empty batch; give at least one sequence")
+        rows = [np.asarray(row) for row in token_ids]
+        for i, row in enumerate(rows):
+            if row.ndim != 1 or row.size == 0:
+                raise ConfigError(f"token_ids[{i}]: expected a non-empty list of token ids")
+            if row.dtype.kind not in "iu":
+                raise ConfigError(f"token_ids[{i}]: token ids must be integers, got {row.dtype}")
+            if row.size > self.max_length:
+                raise ConfigError(
+                    f"token_ids[{i}]: {row.size} tokens exceed max_length {self.max_length}; "
+                    "shorten the input (tokenize() truncates text to fit)"
+                )
+        return rows
+
+
+class TorchEncoder(_TokenizingEncoder):
+    """The BERT encoder of a Hugging Face checkpoint directory, run in PyTorch."""
+
+    def __init__(
+        self, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    ) -> None:
+        path = Path(path)
+        config = load_bert_config(path)
+        pooling = load_pooling_config(path)
+        max_length = max_sequence_length(config, pooling)
+        super().__init__(path, max_length, config.vocab_size, config.hidden_size)
+        self.dtype = _torch_dtype(dtype)
+        self.device = _torch_device(device)
+        self.model = load_sentence_encoder(path, dtype=self.dtype, device=self.device)
+
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        input_ids, attention_mask = self._padded_batch(token_ids)
+        with torch.inference_mode():
+            out = self.model(
+                torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(attention_mask).to(self.device),
+            )
+        return out.cpu().numpy()
+
+
+class OnnxEncoder(_TokenizingEncoder):
+    """A version folder written by `qiao export onnx`, run in an onnxruntime CPU session.
+
+    `num_threads` is the session's intra-op thread count (None: onnxruntime's default, one per
+    core)."""
+
+    def __init__(self, path: str | Path, num_threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        path = Path(path)
+        self.metadata = OnnxEncoderMetadata.read(path)
+        if num_threads is not None and num_threads < 1:
+            raise ConfigError(f"num_threads: must be >= 1, got {num_threads}")
+        super().__init__(
+            path, self.metadata.max_length, self.metadata.vocab_size, self.metadata.dim
+        )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = num_threads or 0
+        options.inter_op_num_threads = 1
+        model_file = _onnx_model_file(path)
+        try:
+            self._session = ort.InferenceSession(
+                str(model_file), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as e:  # onnxruntime raises its own untyped failures
+            raise ModelLoadError(f"{model_file}: onnxruntime cannot load it ({e})") from None
+        inputs = tuple(i.name for i in self._session.get_inputs())
+        outputs = tuple(o.name for o in self._session.get_outputs())
+        if sorted(inputs) != sorted(ONNX_INPUTS) or outputs != (ONNX_OUTPUT,):
+            raise ModelLoadError(
+                f"{model_file}: graph has inputs {inputs} and outputs {outputs}; expected "
+                f"{ONNX_INPUTS} and ({ONNX_OUTPUT!r},)"
+            )
+
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        input_ids, attention_mask = self._padded_batch(token_ids)
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
+        return self._session.run([ONNX_OUTPUT], feeds)[0]
+
+
+def load_encoder(
+    path: Path,
+    backend: Literal["embedding", "onnx"],
+    precision: str = "FP32",
+    device: str = "cpu",
+    num_threads: int | None = None,
+) -> Encoder:
+    """The encoder of a repository version folder.
+
+    backend "embedding": a Hugging Face checkpoint run in PyTorch at `precision` (FP32, FP16,
+    BF16) on `device`; it shares the process's torch thread pool, so `num_threads` is not used.
+    backend "onnx": a folder from `qiao export onnx`, FP32 on the CPU, `num_threads` intra-op
+    threads."""
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"precision_mode: unsupported value {precision!r}; allowed: {', '.join(PRECISIONS)}"
+        )
+    if backend == "embedding":
+        return TorchEncoder(path, dtype=PRECISIONS[precision], device=device)
+    if backend == "onnx":
+        if precision != "FP32":
+            raise ConfigError(
+                f"precision_mode: the onnx backend runs the exported FP32 graph; got {precision!r}"
+            )
+        if _torch_device(device).type != "cpu":
+            raise ConfigError(f"hardware.device: the onnx backend runs on cpu, got {device!r}")
+        return OnnxEncoder(path, num_threads=num_threads)
+    raise ConfigError(f"backend: {backend!r} is not an encoder backend; allowed: {BACKENDS}")
+
+
+def load_tokenizer(folder: Path, max_length: int) -> Tokenizer:
+    """The fast tokenizer of `folder`, truncating to `max_length` tokens (special ones included)
+    and never padding: the encoder pads each batch itself."""
+    from tokenizers import Tokenizer
+
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: an encoder needs its fast tokenizer file")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ModelLoadError(f"{path}: not a readable tokenizer ({e})") from None
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length)
+    return tokenizer
+
+
+def _onnx_model_file(folder: Path) -> Path:
+    """model.onnx, else the folder's only .onnx file."""
+    if (folder / ONNX_MODEL_FILE).is_file():
+        return folder / ONNX_MODEL_FILE
+    candidates = sorted(folder.glob("*.onnx"))
+    if len(candidates) != 1:
+        raise ModelLoadError(
+            f"{folder}: expected {ONNX_MODEL_FILE} (or exactly one .onnx file), found "
+            f"{len(candidates)} .onnx files"
+        )
+    return candidates[0]
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"dtype: unsupported {dtype}; allowed: {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: unsupported value {dtype!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _torch_device(device: str) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: {device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: {device!r} requested but CUDA is not available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device: {device!r} unsupported; use cpu or cuda[:N]")
+    return resolved
