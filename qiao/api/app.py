@@ -1,54 +1,92 @@
-"""The HTTP app: `create_app(settings, engine)` wires routes, middleware, errors and metrics.
+"""The HTTP app: `create_app(settings, ...)` wires routes, middleware, errors and metrics.
 
-All state lives on `app.state`: settings, the engine client, the served model name, metrics and
-the draining flag. Nothing here is global, so tests can run several apps in one process.
+All state lives on `app.state`: settings, the model manager (`router`: model → served version),
+metrics and the draining flag; with one LLM (`qiao serve --model PATH`) also its engine
+(`engine`) and name (`model_name`). Nothing here is global, so tests can run several apps in
+one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
+from qiao.api.kserve import router as kserve_router
 from qiao.api.metrics import ServerMetrics
 from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from qiao.api.openai_routes import router as openai_router
 from qiao.api.settings import ServeSettings
 from qiao.engine.async_engine import AsyncEngine
+from qiao.repository.manager import ModelManager, Served
+from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.version import __version__
 
 
-def create_app(settings: ServeSettings, engine: AsyncEngine) -> FastAPI:
-    metrics = ServerMetrics(settings.model_name, engine.stats)
-    engine.add_output_listener(metrics.observe_outputs)
+def _llm_versions(manager: ModelManager | None) -> list[LLMVersion]:
+    if manager is None:
+        return []
+    return [s for s in manager.served_versions() if isinstance(s, LLMVersion)]
+
+
+def _observe(metrics: ServerMetrics, served: Served) -> None:
+    """Hook a newly ready version into the metrics."""
+    if isinstance(served, LLMVersion):
+        served.engine.add_output_listener(metrics.output_observer(served.model, served.version))
+    elif isinstance(served, EncoderVersion):
+        served.batcher.on_batch = metrics.batch_observer(served.model, served.version)
+
+
+def create_app(
+    settings: ServeSettings,
+    engine: AsyncEngine | None = None,
+    *,
+    manager: ModelManager | None = None,
+    build_manager: Callable[[ServerMetrics], ModelManager] | None = None,
+) -> FastAPI:
+    """An app serving one LLM `engine` (as version 1 of `settings.model_name`), or the models
+    of a `manager`, or of the manager `build_manager(metrics)` returns (so loaders can hook
+    their versions into this app's metrics)."""
+    metrics = ServerMetrics(lambda: _llm_versions(manager))
+    if engine is not None:
+        served = LLMVersion(settings.model_name, "1", engine)
+        manager = ModelManager.single(settings.model_name, served)
+    elif build_manager is not None:
+        manager = build_manager(metrics)
+    if manager is None:
+        raise ValueError("create_app needs an engine or a model manager")
+    if manager.on_ready is None:
+        manager.on_ready = lambda served: _observe(metrics, served)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await manager.start()
         try:
             yield
         finally:
-            engine.shutdown()
+            await manager.shutdown()
 
     app = FastAPI(title="qiao", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.router = manager
     app.state.engine = engine
     app.state.model_name = settings.model_name
     app.state.metrics = metrics
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(embeddings_router)
+    app.include_router(kserve_router)
     _add_health_routes(app)
 
     app.add_middleware(
         StatusCountMiddleware,
-        count=lambda route, status: metrics.http_requests.labels(
-            settings.model_name, route, str(status)
-        ).inc(),
+        count=lambda route, status: metrics.http_requests.labels(route, str(status)).inc(),
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.cors_origins:
@@ -73,12 +111,12 @@ def _add_health_routes(app: FastAPI) -> None:
 
     @app.get("/health/ready", response_model=None)
     async def ready(request: Request) -> JSONResponse | dict[str, str]:
-        """The model is loaded and the engine is making progress (and not draining)."""
-        health = request.app.state.engine.health()
+        """Models are loaded and their engines are making progress (and not draining)."""
+        manager: ModelManager = request.app.state.router
         if request.app.state.draining:
             return JSONResponse(error_body(503, "draining"), status_code=503)
-        if not health.is_ready:
-            return JSONResponse(error_body(503, health.reason), status_code=503)
+        if not manager.is_ready():
+            return JSONResponse(error_body(503, manager.not_ready_reason()), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

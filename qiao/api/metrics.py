@@ -1,19 +1,21 @@
 """Prometheus metrics, named as operators already chart them (vLLM's names, `qiao:` prefix).
 
 The engine produces plain data (per-request timings in `RequestOutput.metrics`, a stats dict per
-step); this module only exports it. Each app has its own registry, so several servers in one
-process (tests) never share counters.
+step; a `BatchStats` per encoder batch); this module only exports it. Every model series carries
+`model_name` and `version` labels, so canary and stable versions chart side by side. Each app
+has its own registry, so several servers in one process (tests) never share counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qiao.engine.batcher import BatchStats
 from qiao.outputs import RequestOutput
 
 LATENCY_BUCKETS = (
@@ -37,6 +39,8 @@ LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -60,21 +64,22 @@ TOKEN_LATENCY_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Any) -> None:
+    def __init__(self, llm_versions: Callable[[], list[Any]]) -> None:
+        """`llm_versions()` lists the served LLM versions (`.model`, `.version`, `.engine`)
+        whose engine stats are exported at scrape time."""
         self.registry = CollectorRegistry()
-        self.model_name = model_name
-        labels = ["model_name"]
+        labels = ["model_name", "version"]
         r = self.registry
         self.http_requests = Counter(
             "qiao:http_requests",
             "HTTP requests by route and status code.",
-            ["model_name", "route", "status_code"],
+            ["route", "status_code"],
             registry=r,
         )
         self.request_success = Counter(
             "qiao:request_success",
             "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
+            [*labels, "finished_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -111,87 +116,157 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_EngineCollector(model_name, stats))
+        # Encoders behind the dynamic batcher.
+        self.infer_requests = Counter(
+            "qiao:infer_requests",
+            "Requests run by a batched (non-generative) model.",
+            labels,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "qiao:batch_size",
+            "Rows per batch run by a batched model.",
+            labels,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.batch_queue_time = Histogram(
+            "qiao:batch_queue_time_seconds",
+            "Time a request waited in the batcher queue.",
+            labels,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.batch_exec_time = Histogram(
+            "qiao:batch_execution_time_seconds",
+            "Model time of one batch.",
+            labels,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(llm_versions))
         self._last_token_time: dict[str, float] = {}
 
-    def observe_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+    def batch_observer(self, model: str, version: str) -> Callable[[BatchStats], None]:
+        """An `on_batch` callback for one encoder version's batcher."""
+        size = self.batch_size.labels(model, version)
+        requests = self.infer_requests.labels(model, version)
+        queue = self.batch_queue_time.labels(model, version)
+        exec_time = self.batch_exec_time.labels(model, version)
+
+        def observe(stats: BatchStats) -> None:
+            size.observe(stats.rows)
+            requests.inc(stats.requests)
+            for waited in stats.queue_times_s:
+                queue.observe(waited)
+            exec_time.observe(stats.exec_time_s)
+
+        return observe
+
+    def output_observer(
+        self, model: str, version: str
+    ) -> Callable[[Iterable[RequestOutput]], None]:
+        """An output listener for one LLM version's engine."""
+        return lambda outputs: self.observe_outputs(model, version, outputs)
+
+    def observe_outputs(self, model: str, version: str, outputs: Iterable[RequestOutput]) -> None:
         """Called on the event loop with every step's delta outputs."""
-        name = self.model_name
         for output in outputs:
             m = output.metrics
             if m is None:
                 continue
             num_new = sum(len(o.token_ids) for o in output.outputs)
             if num_new:
-                self.generation_tokens.labels(name).inc(num_new)
+                self.generation_tokens.labels(model, version).inc(num_new)
                 previous = self._last_token_time.get(output.request_id)
                 if previous is None and m.first_token_time is not None:
-                    self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+                    self.ttft.labels(model, version).observe(m.first_token_time - m.arrival_time)
                 elif previous is not None and m.last_token_time is not None:
-                    self.itl.labels(name).observe(m.last_token_time - previous)
+                    self.itl.labels(model, version).observe(m.last_token_time - previous)
                 if m.last_token_time is not None:
                     self._last_token_time[output.request_id] = m.last_token_time
             if output.finished:
-                self._observe_finished(output)
+                self._observe_finished(model, version, output)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
-        name, m = self.model_name, output.metrics
+    def _observe_finished(self, model: str, version: str, output: RequestOutput) -> None:
+        m = output.metrics
         self._last_token_time.pop(output.request_id, None)
-        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        self.prompt_tokens.labels(model, version).inc(len(output.prompt_token_ids))
         for sample in output.outputs:
-            self.request_success.labels(name, sample.finish_reason or "unknown").inc()
+            self.request_success.labels(model, version, sample.finish_reason or "unknown").inc()
         if m is not None and m.finished_time is not None:
-            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+            self.e2e.labels(model, version).observe(m.finished_time - m.arrival_time)
             if m.first_scheduled_time is not None:
-                self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+                self.queue_time.labels(model, version).observe(
+                    m.first_scheduled_time - m.arrival_time
+                )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine counters read from the engine's latest stats snapshot at scrape time."""
+    """Gauges and engine counters read from each LLM version's latest stats at scrape time."""
 
-    def __init__(self, model_name: str, stats: Any) -> None:
-        self.model_name = model_name
-        self.stats = stats
+    def __init__(self, llm_versions: Callable[[], list[Any]]) -> None:
+        self.llm_versions = llm_versions
 
     def collect(self) -> Iterable[Any]:
-        s = self.stats()
-        label = [self.model_name]
+        names = ["model_name", "version"]
+        families: dict[str, Any] = {}
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(label, value)
-            return family
+        def add(kind: type, name: str, doc: str, label: list[str], value: float) -> None:
+            if name not in families:
+                families[name] = kind(name, doc, labels=names)
+            families[name].add_metric(label, value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(label, value)
-            return family
-
-        yield gauge(
-            "qiao:num_requests_running", "Sequences in the running batch.", s["num_running"]
-        )
-        yield gauge("qiao:num_requests_waiting", "Sequences waiting to start.", s["num_waiting"])
-        yield gauge(
-            "qiao:kv_cache_usage_perc", "Share of KV blocks in use (0-1).", s["kv_cache_usage"]
-        )
-        yield counter("qiao:num_preemptions", "Preemptions (recompute).", s["num_preemptions"])
-        yield counter(
-            "qiao:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            s["prefix_cache_queried_tokens"],
-        )
-        yield counter(
-            "qiao:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            s["prefix_cache_hit_tokens"],
-        )
-        queried = s["prefix_cache_queried_tokens"]
-        yield gauge(
-            "qiao:prefix_cache_hit_rate",
-            "Prefix-cache hit tokens / queried tokens.",
-            s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
-        )
-        yield counter("qiao:engine_steps", "Engine steps run.", s["num_steps"])
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        for served in self.llm_versions():
+            s = served.engine.stats()
+            label = [served.model, served.version]
+            add(
+                G,
+                "qiao:num_requests_running",
+                "Sequences in the running batch.",
+                label,
+                s["num_running"],
+            )
+            add(
+                G,
+                "qiao:num_requests_waiting",
+                "Sequences waiting to start.",
+                label,
+                s["num_waiting"],
+            )
+            add(
+                G,
+                "qiao:kv_cache_usage_perc",
+                "Share of KV blocks in use (0-1).",
+                label,
+                s["kv_cache_usage"],
+            )
+            add(C, "qiao:num_preemptions", "Preemptions (recompute).", label, s["num_preemptions"])
+            add(
+                C,
+                "qiao:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                label,
+                s["prefix_cache_queried_tokens"],
+            )
+            add(
+                C,
+                "qiao:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                label,
+                s["prefix_cache_hit_tokens"],
+            )
+            queried = s["prefix_cache_queried_tokens"]
+            add(
+                G,
+                "qiao:prefix_cache_hit_rate",
+                "Prefix-cache hit tokens / queried tokens.",
+                label,
+                s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
+            )
+            add(C, "qiao:engine_steps", "Engine steps run.", label, s["num_steps"])
+        yield from families.values()

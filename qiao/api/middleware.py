@@ -22,13 +22,20 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Liveness and readiness stay open so orchestrators can probe without credentials.
-PUBLIC_PATHS = frozenset({"/health/live", "/health/ready"})
+PUBLIC_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 
 
 async def send_error(
-    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+    send: Send,
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    path: str = "",
 ) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+    # KServe v2 routes answer in their protocol's error shape, the rest in OpenAI's envelope.
+    shape = {"error": message} if path.startswith("/v2") else error_body(status, message)
+    body = json.dumps(shape).encode()
     raw_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -55,6 +62,7 @@ class APIKeyMiddleware:
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 {"WWW-Authenticate": "Bearer"},
+                path=scope["path"],
             )
             return
         await self.app(scope, receive, send)
@@ -84,7 +92,10 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await send_error(
-                send, 413, f"request body is {int(length)} bytes; the limit is {self.max_bytes}"
+                send,
+                413,
+                f"request body is {int(length)} bytes; the limit is {self.max_bytes}",
+                path=scope["path"],
             )
             return
         received = 0

@@ -22,31 +22,67 @@ from qiao.api.serving import (
     usage,
 )
 from qiao.outputs import CompletionOutput, Logprob
+from qiao.repository.manager import ModelManager
+from qiao.repository.served import LLMVersion
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    state = request.app.state
-    return ModelList(
-        data=[ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)]
-    )
+    manager: ModelManager = request.app.state.router
+    cards = []
+    for name in manager.model_names():
+        served = manager.pick(name)
+        max_len = served.engine.max_model_len if isinstance(served, LLMVersion) else None
+        cards.append(ModelCard(id=name, max_model_len=max_len))
+    return ModelList(data=cards)
+
+
+def split_model_id(model: str) -> tuple[str, str | None]:
+    """`name@version` → (name, version); a bare name → (name, None)."""
+    name, sep, version = model.partition("@")
+    if sep and not (version.isascii() and version.isdigit()):
+        raise APIError(400, f"model: version {version!r} after '@' must be a number", param="model")
+    return name, (str(int(version)) if sep else None)
+
+
+def resolve_model(request: Request, model: str, user: str | None) -> Any:
+    """The served version that takes this request (pinned by `name@version`, else by the
+    traffic weights, sticky per `user`)."""
+    name, version = split_model_id(model)
+    try:
+        return request.app.state.router.pick(name, version, user=user)
+    except Exception as exc:
+        error = as_api_error(exc)
+        error.param = error.param or "model"
+        raise error from None
+
+
+def _llm(request: Request, body: CompletionRequest | ChatCompletionRequest) -> LLMVersion:
+    served = resolve_model(request, body.model, body.user)
+    if not isinstance(served, LLMVersion):
+        raise APIError(
+            400,
+            f"model {body.model!r} is an embedding model; use /v1/embeddings",
+            param="model",
+        )
+    return served
 
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
-    _check_model(body.model, state.model_name)
+    served = _llm(request, body)
     check_request_fields(body, state.settings)
-    prompts = _completion_prompts(body, state)
-    job = _start(request, body, prompts, body.logprobs, "prompt")
+    prompts = _completion_prompts(body, state, served.engine)
+    job = _start(request, served.engine, body, prompts, body.logprobs, "prompt")
     request_id, created = f"cmpl-{uuid.uuid4().hex}", now()
     base = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
-        "model": state.model_name,
+        "model": body.model,
     }
     k = body.logprobs
     if body.stream:
@@ -81,17 +117,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = request.app.state
-    _check_model(body.model, state.model_name)
+    served = _llm(request, body)
     check_request_fields(body, state.settings)
-    prompt_ids = _render_chat(body, state.engine.tokenizer)
+    prompt_ids = _render_chat(body, served.engine.tokenizer)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    job = _start(request, body, [prompt_ids], k, "messages")
+    job = _start(request, served.engine, body, [prompt_ids], k, "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     base = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
-        "model": state.model_name,
+        "model": body.model,
     }
     if body.stream:
         first = [
@@ -134,17 +170,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return {**base, "object": "chat.completion", "choices": choices, "usage": usage(job, samples)}
 
 
-def _check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise APIError(
-            404,
-            f"model {requested!r} is not served here; available: {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _completion_prompts(body: CompletionRequest, state: Any) -> list[list[int]]:
+def _completion_prompts(body: CompletionRequest, state: Any, engine: Any) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
@@ -166,12 +192,12 @@ def _completion_prompts(body: CompletionRequest, state: Any) -> list[list[int]]:
             param="prompt",
         )
     if texts is None:
-        vocab = state.engine.vocab_size
+        vocab = engine.vocab_size
         for ids in id_lists:
             if any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
         return id_lists
-    tokenizer = state.engine.tokenizer
+    tokenizer = engine.tokenizer
     return [tokenizer.encode(text) if text else [] for text in texts]
 
 
@@ -194,6 +220,7 @@ def _render_chat(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
 
 def _start(
     request: Request,
+    engine: Any,
     body: CompletionRequest | ChatCompletionRequest,
     prompts: list[list[int]],
     num_logprobs: int | None,
@@ -201,7 +228,7 @@ def _start(
 ) -> Job:
     """Check lengths for every prompt, then admit them all (or none) into the engine."""
     state = request.app.state
-    engine, settings = state.engine, state.settings
+    settings = state.settings
     requested = body.max_tokens
     param = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:

@@ -8,18 +8,26 @@ requests up to `drain_timeout` seconds, aborts what is left (streams end with fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from qiao.api.app import create_app
+from qiao.api.kserve_grpc import build_grpc_server
+from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
+from qiao.errors import ConfigError
+from qiao.repository.loading import VersionBuilder
+from qiao.repository.manager import ModelManager
+from qiao.repository.served import LLMVersion
 
 logger = logging.getLogger("qiao.server")
 
@@ -97,42 +105,67 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         state = self.qiao_app.state
-        engine: AsyncEngine = state.engine
+        manager: ModelManager = state.router
         state.draining = True
-        engine.draining = True
+        manager.draining = True
+        llms = [s for s in manager.served_versions() if isinstance(s, LLMVersion)]
+        for served in llms:
+            served.engine.draining = True
         logger.info(
             "draining: %d requests in flight, up to %.0f s",
-            engine.num_unfinished(),
+            manager.num_unfinished(),
             self.drain_timeout,
         )
         deadline = time.monotonic() + self.drain_timeout
-        while engine.num_unfinished() and time.monotonic() < deadline:
+        while manager.num_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine.num_unfinished():
-            logger.info("drain timeout: aborting %d requests", engine.num_unfinished())
-            engine.abort_all("abort")
+        if manager.num_unfinished():
+            logger.info("drain timeout: aborting %d requests", manager.num_unfinished())
+            for served in llms:
+                served.engine.abort_all("abort")
             # Give the aborted streams a moment to send their last event.
             flush_deadline = time.monotonic() + 2.0
-            while engine.num_unfinished() and time.monotonic() < flush_deadline:
+            while manager.num_unfinished() and time.monotonic() < flush_deadline:
                 await asyncio.sleep(0.05)
         self.should_exit = True
 
 
-def run_server(settings: ServeSettings) -> None:
-    settings.check_security()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+class SideServer(uvicorn.Server):
+    """A second listener in the same process (management API): the main server owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def build_app(settings: ServeSettings) -> Any:
+    """The app for `settings`: one model (`--model`, or the demo model) or a repository."""
+    if settings.model_repository is None:
+        return create_app(settings, build_engine(settings))
+    root = settings.model_repository
+    if not root.is_dir():
+        raise ConfigError(f"model_repository {root} is not a directory")
+    limits = AdmissionLimits(
+        max_waiting_seqs=settings.max_waiting_requests,
+        max_waiting_tokens=settings.max_waiting_tokens,
+        stall_timeout=settings.stall_timeout,
+        log_interval=settings.log_interval,
     )
-    started = time.monotonic()
-    engine = build_engine(settings)
-    app = create_app(settings, engine)
-    logger.info(
-        "model %r loaded in %.1f s; serving on http://%s:%d",
-        settings.model_name,
-        time.monotonic() - started,
-        settings.host,
-        settings.port,
-    )
+
+    def build_manager(metrics: Any) -> ModelManager:
+        return ModelManager(
+            VersionBuilder(limits, seed=settings.seed),
+            root,
+            mode=settings.model_control_mode,
+            poll_interval=settings.repository_poll_interval,
+            startup_models=settings.load_model,
+            drain_timeout=settings.drain_timeout,
+        )
+
+    return create_app(settings, build_manager=build_manager)
+
+
+async def _serve(settings: ServeSettings, app: Any) -> None:
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -141,4 +174,62 @@ def run_server(settings: ServeSettings) -> None:
         timeout_graceful_shutdown=5,
         access_log=False,
     )
-    DrainingServer(config, app, settings.drain_timeout).run()
+    main = DrainingServer(config, app, settings.drain_timeout)
+    side: list[tuple[SideServer, asyncio.Task[None]]] = []
+    grpc_server = None
+    if settings.management_port is not None:
+        token = settings.management_token_value()
+        assert token is not None  # check_security made sure
+        mgmt = SideServer(
+            uvicorn.Config(
+                create_management_app(app.state.router, token=token),
+                host=settings.management_host,
+                port=settings.management_port,
+                log_level=settings.log_level,
+                access_log=False,
+            )
+        )
+        side.append((mgmt, asyncio.create_task(mgmt.serve())))
+        logger.info(
+            "management API on http://%s:%d", settings.management_host, settings.management_port
+        )
+    if settings.grpc_port is not None:
+        grpc_server, port = build_grpc_server(
+            lambda: app.state.router,
+            host=settings.host,
+            port=settings.grpc_port,
+            api_keys=settings.api_keys(),
+            max_message_bytes=settings.max_request_bytes,
+        )
+        await grpc_server.start()
+        logger.info("KServe v2 gRPC on %s:%d", settings.host, port)
+    try:
+        await main.serve()
+    finally:
+        for server, task in side:
+            server.should_exit = True
+            await task
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2.0)
+
+
+def run_server(settings: ServeSettings) -> None:
+    settings.check_security()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    started = time.monotonic()
+    app = build_app(settings)
+    what = (
+        f"repository {settings.model_repository}"
+        if settings.model_repository is not None
+        else f"model {settings.model_name!r}"
+    )
+    logger.info(
+        "%s set up in %.1f s; serving on http://%s:%d",
+        what,
+        time.monotonic() - started,
+        settings.host,
+        settings.port,
+    )
+    asyncio.run(_serve(settings, app))

@@ -96,6 +96,35 @@ class ServeSettings(BaseSettings):
     )
     no_profile: CliToggleFlag[bool] = Field(False, description="use no tuning profile")
 
+    # --- model repository ------------------------------------------------------------------------
+    model_repository: Path | None = Field(
+        None, description="serve a model repository DIR/<model>/<version>/ (instead of --model)"
+    )
+    model_control_mode: Literal["none", "poll", "explicit"] = Field(
+        "none",
+        description="none: load all at start; poll: also rescan every --repository-poll-interval;"
+        " explicit: load/unload through the management API only",
+    )
+    repository_poll_interval: float = Field(
+        5.0, gt=0, description="seconds between repository rescans (poll mode)"
+    )
+    load_model: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="model to load at start in explicit mode (repeatable)"
+    )
+    management_port: int | None = Field(
+        None, ge=0, le=65535, description="serve the management API on this port (default: off)"
+    )
+    management_host: str = Field("127.0.0.1", description="management API bind address")
+    management_token: str | None = Field(
+        None, description="bearer token the management API requires (or --management-token-file)"
+    )
+    management_token_file: Path | None = Field(
+        None, description="file holding the management API token"
+    )
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="serve KServe v2 over gRPC on this port (default: off)"
+    )
+
     # --- network and security ----------------------------------------------------------------
     host: str = Field("127.0.0.1", description="bind address (non-loopback needs an API key)")
     port: int = Field(8000, ge=0, le=65535, description="bind port (0 = any free port)")
@@ -144,12 +173,20 @@ class ServeSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
 
-    @field_validator("api_key", "cors_origins", mode="before")
+    @field_validator("api_key", "cors_origins", "load_model", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> ServeSettings:
+        if self.model is not None and self.model_repository is not None:
+            raise ValueError("model and model-repository exclude each other")
+        if self.load_model and self.model_control_mode != "explicit":
+            raise ValueError("load-model needs --model-control-mode explicit")
+        return self
 
     @model_validator(mode="after")
     def _one_profile_choice(self) -> ServeSettings:
@@ -191,11 +228,21 @@ class ServeSettings(BaseSettings):
             keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
         return keys
 
-    def is_loopback_bind(self) -> bool:
-        if self.host == "localhost":
+    def management_token_value(self) -> str | None:
+        if self.management_token_file is not None:
+            try:
+                token = self.management_token_file.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"management_token_file cannot be read ({exc.strerror})") from exc
+            return token or None
+        return self.management_token
+
+    def is_loopback_bind(self, host: str | None = None) -> bool:
+        host = self.host if host is None else host
+        if host == "localhost":
             return True
         try:
-            return ipaddress.ip_address(self.host).is_loopback
+            return ipaddress.ip_address(host).is_loopback
         except ValueError:
             return False
 
@@ -210,6 +257,13 @@ class ServeSettings(BaseSettings):
                 f"host {self.host!r} is not a loopback address and no API key is set: pass "
                 "--api-key (or QIAO_API_KEY / --api-key-file), or --allow-insecure-public-bind"
             )
+        if self.management_port is not None:
+            token = self.management_token_value()
+            if not token or len(token) < 16:
+                raise ConfigError(
+                    "management_port needs a token of at least 16 characters: pass "
+                    "--management-token (or QIAO_MANAGEMENT_TOKEN / --management-token-file)"
+                )
 
     @classmethod
     def settings_customise_sources(

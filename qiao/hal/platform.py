@@ -101,3 +101,16 @@ def _meminfo_bytes(key: str) -> int:
         if name == key:
             return int(value.split()[0]) * 1024
     raise RuntimeError(f"{key} not found in {_MEMINFO}")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU its pages come zeroed from the OS on first touch
+    (calloc), so a large KV pool costs nothing until used, instead of a full memset at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = int(np.prod(shape, dtype=np.int64))
+    nbytes = numel * itemsize
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64  # cache-line aligned, as torch's own allocator would be
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)

@@ -23,6 +23,7 @@ from qiao.config import (
     CacheConfig,
 )
 from qiao.errors import ConfigError
+from qiao.hal import platform
 from qiao.hal.platform import to_device_async, total_memory_bytes
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
@@ -112,8 +113,7 @@ class ModelRunner:
         shape = (2, num_blocks + 1, block_size, arch.num_key_value_heads, arch.head_dim)
         # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(arch.num_hidden_layers)
+            platform.zeros(shape, self.dtype, self.device) for _ in range(arch.num_hidden_layers)
         ]
         self.block_size = block_size
         self.model.bind_kv_caches(self.kv_caches)

@@ -455,13 +455,14 @@ MetricKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
 def parse_metrics(text: str) -> dict[MetricKey, float]:
-    """Prometheus text -> {(sample name, sorted labels without model_name): value}."""
+    """Prometheus text -> {(sample name, sorted labels without model_name and version): value}
+    (these tests serve one model, version 1)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples: dict[MetricKey, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "version")))
             samples[(sample.name, labels)] = sample.value
     return samples
 

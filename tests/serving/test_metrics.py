@@ -59,7 +59,7 @@ def test_every_documented_series_is_exported(client: httpx.Client) -> None:
     text = client.get("/metrics").text
     for name in EXPECTED_SERIES:
         assert f"\n{name}" in text, f"{name} missing from /metrics"
-    assert f'model_name="{MODEL_NAME}"' in text
+    assert f'model_name="{MODEL_NAME}",version="1"' in text
 
 
 def test_counts_follow_the_requests_sent(client: httpx.Client) -> None:

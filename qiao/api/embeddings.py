@@ -1,0 +1,100 @@
+"""`POST /v1/embeddings` (OpenAI): texts or token ids → one vector per input, through the
+model version's dynamic batcher."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from qiao.api.errors import APIError, as_api_error
+from qiao.api.openai_routes import resolve_model
+from qiao.repository.served import EncoderVersion
+
+router = APIRouter()
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    # qiao extensions, as on the completion routes and KServe's parameters.
+    priority: int | None = Field(None, ge=0, description="batcher priority level (1 = highest)")
+    timeout_us: int | None = Field(None, ge=1, description="queue timeout (microseconds)")
+
+
+@router.post("/v1/embeddings", response_model=None)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    settings = request.app.state.settings
+    served = resolve_model(request, body.model, body.user)
+    if not isinstance(served, EncoderVersion):
+        raise APIError(
+            400,
+            f"model {body.model!r} is a generative model; use /v1/completions",
+            param="model",
+        )
+    if body.dimensions is not None and body.dimensions != served.encoder.dim:
+        raise APIError(
+            400,
+            f"dimensions: this model returns {served.encoder.dim}-dimensional vectors only",
+            param="dimensions",
+        )
+    token_ids = _token_ids(body, served, settings.max_prompts)
+    try:
+        vectors = await served.embed_ids(
+            token_ids, priority=body.priority, timeout_us=body.timeout_us
+        )
+    except Exception as exc:
+        error = as_api_error(exc)
+        if error.status_code == 400:
+            error.param = error.param or "input"
+        raise error from None
+    num_tokens = sum(len(ids) for ids in token_ids)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(row, body.encoding_format)}
+        for i, row in enumerate(vectors)
+    ]
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+
+
+def _token_ids(body: EmbeddingRequest, served: EncoderVersion, max_inputs: int) -> list[list[int]]:
+    value = body.input
+    if isinstance(value, str):
+        texts: list[str] | None = [value]
+        ids: list[list[int]] = []
+    elif value and isinstance(value[0], str):
+        texts, ids = list(value), []  # type: ignore[arg-type]
+    elif value and isinstance(value[0], list):
+        texts, ids = None, [list(v) for v in value]  # type: ignore[union-attr]
+    else:
+        texts, ids = None, [list(value)]  # type: ignore[arg-type]
+    count = len(texts) if texts is not None else len(ids)
+    if count == 0 or (texts is None and any(not row for row in ids)):
+        raise APIError(400, "input: must not be empty", param="input")
+    if count > max_inputs:
+        raise APIError(
+            400, f"input: at most {max_inputs} inputs per request, got {count}", param="input"
+        )
+    if texts is not None:
+        if any(not text for text in texts):
+            raise APIError(400, "input: texts must not be empty strings", param="input")
+        return served.tokenize(texts)
+    return ids
+
+
+def _encode(row: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+    return row.tolist()

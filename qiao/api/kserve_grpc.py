@@ -1,0 +1,307 @@
+"""KServe v2 over gRPC (`inference.GRPCInferenceService`, as tritonclient.grpc speaks it).
+
+`build_grpc_server` returns a `grpc.aio` server, not started, serving ServerLive, ServerReady,
+ModelReady, ServerMetadata, ModelMetadata and ModelInfer against the `ModelRouter` that
+`router_provider` returns at each call; any other method answers UNIMPLEMENTED. ModelInfer takes
+inputs as typed `contents` or `raw_input_contents` and answers in `raw_output_contents`, as Triton
+does (tritonclient's `as_numpy` reads those).
+
+Failures map to status codes: INVALID_ARGUMENT (a bad request or tensor; the message names it),
+NOT_FOUND (unknown model or version), UNAVAILABLE (queue full, queue timeout, going away),
+UNAUTHENTICATED (API keys set and no valid `authorization: Bearer <key>` metadata; the two health
+RPCs stay open), INTERNAL for anything unexpected (logged here; the message says nothing more).
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from qiao.api.kserve_tensors import (
+    EXTENSIONS,
+    SERVER_NAME,
+    TensorHeader,
+    bytes_from_items,
+    check_inputs,
+    check_outputs,
+    datatype_of,
+    from_array,
+    from_raw,
+    is_model_ready,
+    metadata_version,
+    parse_header,
+    parse_options,
+    select_outputs,
+    to_raw,
+)
+from qiao.api.proto import inference_pb2 as pb
+from qiao.api.proto import inference_pb2_grpc as pb_grpc
+from qiao.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    ModelNotFoundError,
+    QueueFullError,
+    QueueTimeoutError,
+)
+from qiao.repository.types import ModelRouter
+from qiao.version import __version__
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+# Liveness and readiness stay open so orchestrators can probe without credentials.
+PUBLIC_METHODS = frozenset({f"/{SERVICE}/ServerLive", f"/{SERVICE}/ServerReady"})
+
+# The typed `contents` field each datatype uses, and that field's element dtype. FP16 has none.
+_CONTENTS_FIELDS: dict[str, tuple[str, type]] = {
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int32),
+    "INT16": ("int_contents", np.int32),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint32),
+    "UINT16": ("uint_contents", np.uint32),
+    "UINT32": ("uint_contents", np.uint32),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+    "BYTES": ("bytes_contents", object),
+}
+
+
+def build_grpc_server(
+    router_provider: Callable[[], ModelRouter],
+    *,
+    host: str,
+    port: int,
+    api_keys: Sequence[str] = (),
+    max_message_bytes: int,
+) -> tuple[grpc.aio.Server, int]:
+    """The server (not started) and the port it is bound to (`port=0`: any free port).
+
+    Call it on the event loop that will run the server; start with `await server.start()`, stop
+    with `await server.stop(grace)`. Raises `ConfigError` when the address cannot be bound (no
+    SO_REUSEPORT, so a port in use is an error rather than silently shared)."""
+    interceptors = [_BearerAuth(api_keys)] if api_keys else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(_InferenceServicer(router_provider), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError:
+        bound_port = 0
+    if bound_port == 0:
+        raise ConfigError(f"grpc_port: cannot listen on {address} (in use or not an address)")
+    return server, bound_port
+
+
+# --- auth ---------------------------------------------------------------------------------------
+
+
+async def _deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "missing or invalid API key: send metadata 'authorization: Bearer <key>'",
+    )
+
+
+class _BearerAuth(grpc.aio.ServerInterceptor):
+    """Every RPC but the health probes needs `authorization: Bearer <key>` metadata."""
+
+    def __init__(self, api_keys: Sequence[str]) -> None:
+        self._keys = [key.encode() for key in api_keys]
+        self._deny = grpc.unary_unary_rpc_method_handler(_deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method in PUBLIC_METHODS or self._authorized(details.invocation_metadata):
+            return await continuation(details)
+        return self._deny
+
+    def _authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if len(values) != 1 or not isinstance(values[0], str):
+            return False
+        scheme, _, token = values[0].partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # Compare against every key, in constant time each, so timing reveals nothing.
+        matches = [hmac.compare_digest(token.strip().encode(), key) for key in self._keys]
+        return any(matches)
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ConfigError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, QueueFullError | QueueTimeoutError | EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    logger.error("unexpected error in a KServe gRPC call", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal server error; the server log has the details"
+
+
+Request = TypeVar("Request")
+Reply = TypeVar("Reply")
+Method = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Reply]]
+
+
+def _rpc(method: Method[Request, Reply]) -> Method[Request, Reply]:
+    """Ends the call with the status the exception maps to."""
+
+    @functools.wraps(method)
+    async def call(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Reply:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            code, message = _status_of(exc)
+        await context.abort(code, message)  # raises
+
+    return call
+
+
+# --- service ------------------------------------------------------------------------------------
+
+
+class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, router_provider: Callable[[], ModelRouter]) -> None:
+        self._router = router_provider
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self._router().is_ready())
+
+    @_rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        try:
+            ready = is_model_ready(self._router(), request.name, request.version or None)
+        except ModelNotFoundError:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
+
+    @_rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+        )
+
+    @_rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        served, versions = metadata_version(self._router(), request.name, request.version or None)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=request.name,
+            versions=versions,
+            platform=served.platform,
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in served.inputs],
+            outputs=[
+                tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in served.outputs
+            ],
+        )
+
+    @_rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        options = parse_options(_parameters(request.parameters))
+        served = self._router().get(
+            request.model_name, request.model_version or None, user=options.user
+        )
+        headers = [parse_header(t.name, t.datatype, list(t.shape)) for t in request.inputs]
+        if not headers:
+            raise ConfigError("'inputs' must not be empty")
+        check_inputs(served, headers)
+        requested = check_outputs(served, _requested_outputs(request))
+        inputs = _decode_inputs(request, headers)
+        results = await served.infer(
+            inputs, priority=options.priority, timeout_us=options.timeout_us
+        )
+        response = pb.ModelInferResponse(
+            model_name=served.model, model_version=served.version, id=request.id
+        )
+        for name, array in select_outputs(served, results, requested):
+            response.outputs.add(name=name, datatype=datatype_of(name, array), shape=array.shape)
+            response.raw_output_contents.append(to_raw(name, array))
+        return response
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A protobuf map of InferParameter → plain values."""
+    values = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, choice) if choice else None
+    return values
+
+
+def _requested_outputs(request: pb.ModelInferRequest) -> list[str]:
+    for output in request.outputs:
+        unsupported = [
+            k for k in output.parameters if k == "classification" or k.startswith("shared_memory")
+        ]
+        if unsupported:
+            raise ConfigError(
+                f"output {output.name!r}: parameter {unsupported[0]!r} is not supported"
+            )
+    return [output.name for output in request.outputs]
+
+
+def _decode_inputs(
+    request: pb.ModelInferRequest, headers: list[TensorHeader]
+) -> dict[str, np.ndarray]:
+    """Every input from `raw_input_contents` (one entry per input) or else its typed contents."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(headers):
+        raise ConfigError(
+            f"raw_input_contents has {len(raw)} entries for {len(headers)} inputs; send one per "
+            "input, or none and typed contents"
+        )
+    inputs = {}
+    for i, (tensor, header) in enumerate(zip(request.inputs, headers, strict=True)):
+        if any(key.startswith("shared_memory") for key in tensor.parameters):
+            raise ConfigError(f"input {header.name!r}: shared memory is not supported")
+        if raw and tensor.contents.ListFields():
+            raise ConfigError(
+                f"input {header.name!r}: send data in raw_input_contents or contents, not both"
+            )
+        inputs[header.name] = from_raw(header, raw[i]) if raw else _from_contents(header, tensor)
+    return inputs
+
+
+def _from_contents(header: TensorHeader, tensor: Any) -> np.ndarray:
+    if header.datatype not in _CONTENTS_FIELDS:
+        raise ConfigError(
+            f"input {header.name!r}: {header.datatype} has no typed contents; "
+            "send it in raw_input_contents"
+        )
+    field, dtype = _CONTENTS_FIELDS[header.datatype]
+    other = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    if other:
+        raise ConfigError(
+            f"input {header.name!r}: {header.datatype} data goes in contents.{field}, "
+            f"not contents.{other[0]}"
+        )
+    values = getattr(tensor.contents, field)
+    if header.datatype == "BYTES":
+        return bytes_from_items(header, list(values))
+    return from_array(header, np.array(values, dtype=dtype))

@@ -1,0 +1,63 @@
+"""Building one served version from its repository folder and its model's config.
+
+`VersionBuilder` is the manager's loader: it runs in a worker thread and returns a version that
+is fully loaded (weights read, KV cache or batcher set up) but not yet started.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qiao.config import EngineConfig
+from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
+from qiao.engine.batcher import BatcherConfig
+from qiao.engine.llm_engine import LLMEngine
+from qiao.errors import ConfigError
+from qiao.repository.manager import Served
+from qiao.repository.scan import ModelEntry, VersionDir
+from qiao.repository.served import EncoderVersion, LLMVersion
+from qiao.runner.encoder import load_encoder
+
+
+class VersionBuilder:
+    def __init__(self, limits: AdmissionLimits, *, seed: int = 0) -> None:
+        self.limits = limits
+        self.seed = seed
+
+    def __call__(self, entry: ModelEntry, vdir: VersionDir) -> Served:
+        config = entry.config
+        assert config is not None
+        if config.backend == "llm":
+            if vdir.kind != "hf":
+                raise ConfigError(
+                    f"version {vdir.version}: an llm version must be an HF checkpoint"
+                )
+            return LLMVersion(entry.name, vdir.version, self._engine(entry, vdir))
+        if config.backend == "onnx" and vdir.kind != "onnx":
+            raise ConfigError(f"version {vdir.version}: backend onnx needs a .onnx file")
+        if config.backend == "embedding" and vdir.kind != "hf":
+            raise ConfigError(f"version {vdir.version}: backend embedding needs an HF checkpoint")
+        device = config.hardware.device_spec
+        encoder = load_encoder(
+            vdir.path,
+            config.backend,
+            precision="FP32" if config.precision_mode == "AUTO" else config.precision_mode,
+            device="cpu" if device == "auto" else device,
+        )
+        if config.max_sequence_length is not None:
+            encoder.max_length = min(encoder.max_length, config.max_sequence_length)
+        return EncoderVersion(
+            entry.name,
+            vdir.version,
+            encoder,
+            BatcherConfig(**config.batcher_values()),
+            backend=config.backend,
+        )
+
+    def _engine(self, entry: ModelEntry, vdir: VersionDir) -> AsyncEngine:
+        config = entry.config
+        assert config is not None
+        kwargs: dict[str, Any] = config.engine_kwargs()
+        if config.llm is None or "seed" not in config.llm.model_fields_set:
+            kwargs["seed"] = self.seed
+        return AsyncEngine(LLMEngine(EngineConfig.create(str(vdir.path), **kwargs)), self.limits)

@@ -1,0 +1,216 @@
+"""Served model versions: what one loaded version of a model runs requests on.
+
+- `LLMVersion`: an `AsyncEngine` (continuous batching). OpenAI routes use its engine directly;
+  KServe `infer` takes `text_input` (BYTES, one prompt per row) and optional `max_tokens`.
+- `EncoderVersion`: an encoder (PyTorch or ONNX Runtime) behind a `DynamicBatcher`. Requests
+  carry texts (or token ids); a batch is every queued request's rows run as one `embed` call,
+  and each request gets exactly its own rows back.
+
+Both count the requests they hold, so a version being unloaded can finish them first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qiao.engine.batcher import BatchStats, DynamicBatcher
+from qiao.errors import ConfigError
+from qiao.repository.types import TensorSpec
+from qiao.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qiao.engine.async_engine import AsyncEngine
+    from qiao.engine.batcher import BatcherConfig
+    from qiao.runner.encoder import Encoder
+
+# Most tokens an LLM `infer` may ask for when the request names no `max_tokens`.
+DEFAULT_INFER_MAX_TOKENS = 16
+
+
+def _texts(inputs: dict[str, np.ndarray], name: str) -> list[str]:
+    if name not in inputs:
+        raise ConfigError(f"input {name!r} is required (BYTES, one text per row)")
+    array = inputs[name]
+    if array.dtype != object or array.ndim not in (1, 2) or array.size == 0:
+        raise ConfigError(f"input {name!r} must be a non-empty BYTES tensor of shape [N] or [N, 1]")
+    texts = []
+    for value in array.reshape(-1):
+        if isinstance(value, bytes | bytearray):
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"input {name!r} holds bytes that are not UTF-8") from None
+        if not isinstance(value, str):
+            raise ConfigError(f"input {name!r} must hold UTF-8 text")
+        texts.append(value)
+    return texts
+
+
+class LLMVersion:
+    backend = "llm"
+    platform = "qiao_llm"
+    inputs = (
+        TensorSpec("text_input", "BYTES", (-1,)),
+        TensorSpec("max_tokens", "INT32", (1,)),
+    )
+    outputs = (TensorSpec("text_output", "BYTES", (-1,)),)
+
+    def __init__(self, model: str, version: str, engine: AsyncEngine) -> None:
+        self.model = model
+        self.version = version
+        self.engine = engine
+
+    def start(self) -> None:
+        self.engine.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+    def num_unfinished(self) -> int:
+        return self.engine.num_unfinished()
+
+    def is_healthy(self) -> tuple[bool, str]:
+        health = self.engine.health()
+        return health.is_ready, health.reason
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        *,
+        priority: int | None = None,
+        timeout_us: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        prompts = _texts(inputs, "text_input")
+        max_tokens = DEFAULT_INFER_MAX_TOKENS
+        if "max_tokens" in inputs:
+            values = np.asarray(inputs["max_tokens"]).reshape(-1)
+            if values.size != 1 or values.dtype.kind not in "iu" or int(values[0]) < 1:
+                raise ConfigError("input 'max_tokens' must be one positive integer")
+            max_tokens = int(values[0])
+        tokenizer = self.engine.tokenizer
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+        ids = [tokenizer.encode(p) for p in prompts]
+        for prompt in ids:
+            if len(prompt) + max_tokens > self.engine.max_model_len:
+                raise ConfigError(
+                    f"prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceeds the "
+                    f"context of {self.engine.max_model_len} tokens"
+                )
+        streams = [
+            self.engine.generate(
+                f"infer-{uuid.uuid4().hex}",
+                prompt,
+                params,
+                priority=priority or 0,
+                deadline=deadline,
+            )
+            for prompt in ids
+        ]
+        texts = await asyncio.gather(*(_final_text(s) for s in streams))
+        out = np.empty(len(texts), dtype=object)
+        out[:] = [t.encode("utf-8") for t in texts]
+        return {"text_output": out}
+
+
+async def _final_text(stream: object) -> str:
+    parts: list[str] = []
+    async for output in stream:  # type: ignore[attr-defined]
+        parts.append(output.outputs[0].text)
+    return "".join(parts)
+
+
+class EncoderVersion:
+    """An encoder behind a dynamic batcher. Items are token-id lists; one row per text."""
+
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        encoder: Encoder,
+        batcher_config: BatcherConfig,
+        *,
+        backend: str,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.version = version
+        self.backend = backend
+        self.platform = "onnxruntime_onnx" if backend == "onnx" else "pytorch_libtorch"
+        self.encoder = encoder
+        self.inputs = (TensorSpec("text", "BYTES", (-1,)),)
+        self.outputs = (TensorSpec("embedding", "FP32", (-1, encoder.dim)),)
+        self.batcher: DynamicBatcher[list[list[int]], np.ndarray] = DynamicBatcher(
+            self._run_batch,
+            batcher_config,
+            name=f"{model}/{version}",
+            on_batch=on_batch,
+        )
+        self._held = 0
+
+    def _run_batch(self, items: list[list[list[int]]]) -> list[np.ndarray]:
+        # E.g. items of 2, 1 and 3 rows -> one embed call of 6 rows, split back 2 / 1 / 3.
+        flat = [ids for item in items for ids in item]
+        vectors = self.encoder.embed(flat)
+        bounds = np.cumsum([len(item) for item in items])[:-1]
+        return list(np.split(vectors, bounds))
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.close(drain=True)
+
+    def num_unfinished(self) -> int:
+        return self._held
+
+    def is_healthy(self) -> tuple[bool, str]:
+        return True, "ok"
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encoder.tokenize(texts)
+
+    async def embed_ids(
+        self,
+        token_ids: list[list[int]],
+        *,
+        priority: int | None = None,
+        timeout_us: int | None = None,
+    ) -> np.ndarray:
+        """Embeddings of `token_ids` ([N, dim] float32) through the batcher."""
+        if not token_ids:
+            raise ConfigError("input must hold at least one text")
+        for ids in token_ids:
+            if len(ids) > self.encoder.max_length:
+                raise ConfigError(
+                    f"input of {len(ids)} tokens exceeds the model's {self.encoder.max_length}"
+                )
+        self._held += 1
+        try:
+            return await self.batcher.submit(
+                token_ids, rows=len(token_ids), priority=priority, timeout_us=timeout_us
+            )
+        finally:
+            self._held -= 1
+
+    async def embed(
+        self, texts: list[str], *, priority: int | None = None, timeout_us: int | None = None
+    ) -> np.ndarray:
+        return await self.embed_ids(self.tokenize(texts), priority=priority, timeout_us=timeout_us)
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        *,
+        priority: int | None = None,
+        timeout_us: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        texts = _texts(inputs, "text")
+        vectors = await self.embed(texts, priority=priority, timeout_us=timeout_us)
+        return {"embedding": vectors.astype(np.float32, copy=False)}
