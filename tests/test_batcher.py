@@ -194,6 +194,24 @@ def test_largest_reachable_preferred_size_runs_first_rest_after_the_delay() -> N
     run(scenario)
 
 
+def test_a_smaller_preferred_size_waits_the_delay_then_runs_first() -> None:
+    async def scenario() -> None:
+        stats: list[BatchStats] = []
+        model = FakeModel()
+        batcher = DynamicBatcher(model, ACCEPTANCE, on_batch=stats.append)
+        batcher.start()
+        try:
+            # 5 rows reach 4 but not 8: wait for the delay (more may come), then run 4, then 1.
+            results = await asyncio.gather(*(batcher.submit(i) for i in range(5)))
+        finally:
+            await batcher.close()
+        assert results == [answer(i) for i in range(5)]
+        assert model.batches == [[0, 1, 2, 3], [4]]
+        assert min(stats[0].queue_times_s) >= DELAY_US / 1e6 * 0.95
+
+    run(scenario)
+
+
 def test_lone_request_waits_the_delay_and_no_longer() -> None:
     async def scenario() -> None:
         stats: list[BatchStats] = []

@@ -137,6 +137,10 @@ class SideServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def _log_started_message(self, listeners: Any) -> None:
+        # "Uvicorn running on ..." belongs to the main listener; qiao logs this one's address.
+        pass
+
 
 def build_app(settings: ServeSettings) -> Any:
     """The app for `settings`: one model (`--model`, or the demo model) or a repository."""
@@ -185,14 +189,19 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
                 create_management_app(app.state.router, token=token),
                 host=settings.management_host,
                 port=settings.management_port,
-                log_level=settings.log_level,
+                log_config=None,  # leave the logging the main server set up alone
                 access_log=False,
             )
         )
-        side.append((mgmt, asyncio.create_task(mgmt.serve())))
-        logger.info(
-            "management API on http://%s:%d", settings.management_host, settings.management_port
-        )
+        task = asyncio.create_task(mgmt.serve())
+        side.append((mgmt, task))
+        while not mgmt.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            task.result()  # raises what stopped it (e.g. the port is taken)
+            raise ConfigError(f"management_port {settings.management_port}: cannot listen")
+        port = mgmt.servers[0].sockets[0].getsockname()[1]
+        logger.info("management API on http://%s:%d", settings.management_host, port)
     if settings.grpc_port is not None:
         grpc_server, port = build_grpc_server(
             lambda: app.state.router,

@@ -4,13 +4,14 @@ Triton's dynamic batching semantics. Requests wait in priority levels (1 = highe
 a level). A batch takes whole requests in that order while their rows fit `max_batch_size`, and
 runs as soon as:
 
-- its rows reach a preferred batch size (the largest one the queued requests reach), or, with no
-  preferred sizes, `max_batch_size`; or the next queued request does not fit;
-- the oldest queued request has waited `max_queue_delay_us` (then it runs what is there; a delay
-  of 0 runs at once); or the batcher is closing with `drain=True`.
+- its rows reach the largest preferred batch size (with no preferred sizes, `max_batch_size`);
+- it cannot grow: the next queued request does not fit;
+- the oldest queued request has waited `max_queue_delay_us` (a delay of 0: at once), or the
+  batcher is closing with `drain=True`. Then it runs the longest prefix whose rows are a
+  preferred size, or, when no prefix is, everything that fits.
 
-E.g. preferred sizes (4, 8), requests of 1 row: 8 queued run as one batch of 8; 5 queued run 4
-now and the fifth when its delay ends (or when 3 more arrive to make a 4).
+E.g. preferred sizes (4, 8), requests of 1 row: 8 arriving within the delay run as one batch of
+8; 5 queued wait for the delay, then run 4, and the fifth right after (its delay has passed).
 
 `run_batch` is blocking model code. It runs in one worker thread per batcher, so calls never
 overlap and the event loop never waits on them; requests that arrive meanwhile queue for the next
@@ -330,6 +331,8 @@ class DynamicBatcher(Generic[T, R]):
         """The batch to run now, else ([], when the oldest request's delay ends or None when
         nothing waits). The batch is a prefix of the queue in batching order."""
         config = self.config
+        # The size worth waiting for: the largest preferred size, else a full batch.
+        target = max(config.preferred_batch_sizes, default=config.max_batch_size)
         batch: list[_Request[T, R]] = []
         rows = 0
         preferred_cut = 0  # length of the longest prefix whose rows are a preferred size
@@ -342,13 +345,14 @@ class DynamicBatcher(Generic[T, R]):
             rows += request.rows
             if rows in config.preferred_batch_sizes:
                 preferred_cut = len(batch)
+            if rows == target:
+                return batch, None
         if not batch:
             return [], None
-        if preferred_cut:
-            return batch[:preferred_cut], None
         wake_at = self._queue.oldest_enqueue_time() + config.max_queue_delay_us / 1e6
         if is_full or rows == config.max_batch_size or self._is_closed or now >= wake_at:
-            return batch, None
+            # Cannot grow, or waited long enough: the largest preferred size there is, else all.
+            return batch[: preferred_cut or len(batch)], None
         return [], wake_at
 
     async def _execute(self, batch: list[_Request[T, R]]) -> None:
