@@ -115,8 +115,9 @@ def _add_health_routes(app: FastAPI) -> None:
         manager: ModelManager = request.app.state.router
         if request.app.state.draining:
             return JSONResponse(error_body(503, "draining"), status_code=503)
-        if not manager.is_ready():
-            return JSONResponse(error_body(503, manager.not_ready_reason()), status_code=503)
+        reason = manager.not_ready_reason()
+        if reason is not None:
+            return JSONResponse(error_body(503, reason), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -72,6 +71,8 @@ class _Model:
     weights: dict[str, float] | None = None
     error: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Smooth weighted round-robin state for requests without a user (reset on a new split).
+    credit: dict[str, float] = field(default_factory=dict)
 
     def ready(self) -> list[str]:
         return sorted(
@@ -104,6 +105,7 @@ class ModelManager:
         self.draining = False
         self._models: dict[str, _Model] = {}
         self._poll_task: asyncio.Task[None] | None = None
+        self._warned: set[str] = set()
         self._retiring: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -158,28 +160,24 @@ class ModelManager:
     # --- ModelRouter -----------------------------------------------------------------------
 
     def is_ready(self) -> bool:
-        if self.draining:
-            return False
-        if not any(m.ready() for m in self._models.values()):
-            return False
-        for model in self._models.values():
-            for slot in model.slots.values():
-                if slot.state is VersionState.READY and slot.served is not None:
-                    healthy, _ = slot.served.is_healthy()
-                    if not healthy:
-                        return False
-        return True
+        return self.not_ready_reason() is None
 
-    def not_ready_reason(self) -> str:
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready (None: it is): draining, a model still loading its first
+        version, or an engine that stopped making progress. A model whose versions all failed
+        to load does not hold the others back: it is reported in the index."""
         if self.draining:
             return "draining"
         for model in self._models.values():
+            states = [slot.state for slot in model.slots.values()]
+            if VersionState.LOADING in states and VersionState.READY not in states:
+                return f"model {model.name!r} is loading"
             for slot in model.slots.values():
                 if slot.state is VersionState.READY and slot.served is not None:
                     healthy, reason = slot.served.is_healthy()
                     if not healthy:
-                        return reason
-        return "no model is ready"
+                        return f"model {model.name!r}: {reason}"
+        return None
 
     def model_names(self) -> list[str]:
         return sorted(name for name, m in self._models.items() if m.ready())
@@ -209,7 +207,7 @@ class ModelManager:
         ready = m.ready()
         if not ready:
             raise EngineUnavailableError(f"model {model!r} has no ready version")
-        chosen = _split(model, ready, m.weights, user)
+        chosen = _split(m, ready, user)
         served = m.slots[chosen].served
         assert served is not None
         return served
@@ -285,13 +283,20 @@ class ModelManager:
         if not any(checked[v] > 0 for v in checked):
             raise ConfigError("traffic: at least one weight must be > 0")
         m.weights = checked
+        m.credit.clear()
         logger.info("traffic of %s: %s", model, self.traffic(model))
 
     # --- reconciling the repository ----------------------------------------------------------
 
     def _scan(self) -> dict[str, ModelEntry]:
         assert self.root is not None
-        return scan_repository(self.root)
+        return scan_repository(self.root, warn=self._warn_once)
+
+    def _warn_once(self, message: str) -> None:
+        # Polling rescans every few seconds: say each skipped entry once, not on every scan.
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
 
     def _scan_one(self, model: str) -> ModelEntry | None:
         if self.root is None:
@@ -324,6 +329,7 @@ class ModelManager:
             config_changed = old is not None and _config_key(old) != _config_key(entry)
             if old is None or _traffic_key(old) != _traffic_key(entry):
                 m.weights = _initial_weights(entry)
+                m.credit.clear()
             m.entry = entry
             wanted = entry.versions
             for version in [v for v in m.slots if v not in wanted]:
@@ -464,19 +470,28 @@ def _effective_weights(ready: list[str], weights: dict[str, float] | None) -> di
     return {ready[-1]: 1.0} if ready else {}
 
 
-def _split(model: str, ready: list[str], weights: dict[str, float] | None, user: str | None) -> str:
-    live = _effective_weights(ready, weights)
+def _split(m: _Model, ready: list[str], user: str | None) -> str:
+    """The version for one request. With a `user`: a hash of it, so the same user stays on the
+    same version while the weights stay the same. Without: smooth weighted round-robin, so any
+    window of requests splits as close to the weights as whole requests allow (90 / 10 gives
+    exactly 9 and 1 of every 10), with no clustering."""
+    live = _effective_weights(ready, m.weights)
     if len(live) == 1:
         return next(iter(live))
     total = sum(live.values())
     if user:
-        # Sticky: the same user lands on the same version while the weights stay the same.
-        digest = hashlib.sha256(f"{model}\0{user}".encode()).digest()
+        digest = hashlib.sha256(f"{m.name}\0{user}".encode()).digest()
         point = int.from_bytes(digest[:8], "big") / 2**64 * total
-    else:
-        point = random.random() * total
-    for version in sorted(live, key=int):
-        point -= live[version]
-        if point < 0:
-            return version
-    return max(live, key=int)
+        for version in sorted(live, key=int):
+            point -= live[version]
+            if point < 0:
+                return version
+        return max(live, key=int)
+    credit = m.credit
+    for version in [v for v in credit if v not in live]:
+        del credit[version]
+    for version, weight in live.items():
+        credit[version] = credit.get(version, 0.0) + weight
+    chosen = max(sorted(live, key=int), key=lambda v: credit[v])
+    credit[chosen] -= total
+    return chosen
