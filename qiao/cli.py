@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: hw, throughput, latency, serve",
+        help="benchmarks: hw, throughput, latency, serve, quality, embeddings",
         description="Benchmarks that report against this machine's measured ceilings and, "
         "with --compare hf, beside Hugging Face transformers in the same run.",
     )

@@ -1,4 +1,4 @@
-"""Argument wiring of `qiao bench {hw,throughput,latency,serve}`.
+"""Argument wiring of `qiao bench {hw,throughput,latency,serve,embeddings,quality}`.
 
 Only argparse lives here; each command imports its benchmark (and so torch) when it runs, so
 `qiao --help` stays fast.
@@ -92,6 +92,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_throughput(sub)
     _add_latency(sub)
     _add_serve(sub)
+    _add_embeddings(sub)
     _add_quality(sub)
 
 
@@ -474,6 +475,149 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.plot:
         plot_serve(report, args.plot)
     return 0
+
+
+# --- embeddings -------------------------------------------------------------------------------
+
+
+def _add_embeddings(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "embeddings",
+        help="load-test any OpenAI-compatible /v1/embeddings endpoint: QPS at a p99 SLO",
+        description="Closed-loop (fixed concurrency) or open-loop (Poisson rate) load on "
+        "/v1/embeddings; per level: QPS, inputs/s, latency p50/p90/p99/max, errors by kind, and "
+        "whether p99 met the SLO; per server: the highest QPS whose level met it. "
+        "--compare-url / --compare-model run the same levels against a second server or model "
+        "(e.g. without dynamic batching) and give the ratio of their QPS at the SLO.",
+    )
+    g = p.add_argument_group("servers")
+    g.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", required=True, help="model name to send")
+    g.add_argument("--api-key", default=None, help="sent as a Bearer token (to both servers)")
+    g.add_argument(
+        "--compare-url",
+        default=None,
+        metavar="URL",
+        help="a second server to run the same levels against (default: --base-url when "
+        "--compare-model is given)",
+    )
+    g.add_argument(
+        "--compare-model",
+        default=None,
+        metavar="NAME",
+        help="model name on the second server (default: --model)",
+    )
+    g = p.add_argument_group("load")
+    levels = g.add_mutually_exclusive_group()
+    levels.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=None,
+        metavar="C,C,...",
+        help="closed loop: clients that each send a request as soon as the last one returns "
+        "(default 1,8,32,64)",
+    )
+    levels.add_argument(
+        "--rate",
+        type=_rate_list,
+        default=None,
+        metavar="R,R,...",
+        help="open loop: Poisson arrivals at these requests/s instead",
+    )
+    span = g.add_mutually_exclusive_group()
+    span.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of sending per level (default 10)"
+    )
+    span.add_argument(
+        "--num-requests", type=_positive, default=None, help="requests per level instead"
+    )
+    g.add_argument(
+        "--inputs-per-request", type=_positive, default=1, help="texts per request (default 1)"
+    )
+    g.add_argument(
+        "--input-len",
+        type=_length,
+        default=LengthSpec(32, 32),
+        help="words per text (about one token each), N or LO:HI uniform (default 32)",
+    )
+    g.add_argument(
+        "--encoding-format",
+        choices=["float", "base64"],
+        default="float",
+        help="vector encoding asked of the server (default float)",
+    )
+    g.add_argument(
+        "--p99-slo-ms", type=float, default=200.0, help="latency SLO at p99, ms (default 200)"
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=16,
+        help="unrecorded requests per server before the first level; the first checks that "
+        "the server answers (default 16). Each closed-loop level also first opens its "
+        "connections with one unrecorded request per client",
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=30.0, help="per-request deadline, s (default 30)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the texts and arrival times")
+    g.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        help="client processes sharing each level (default 1); more when one is CPU-bound "
+        "(the table's cpu column near 100%%)",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--out", "--json", dest="out", metavar="PATH", help="write the report as JSON")
+    g.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of p99 and p50 latency vs QPS, SLO line"
+    )
+    g.add_argument(
+        "--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bars"
+    )
+    p.set_defaults(func=_cmd_embeddings)
+
+
+def _cmd_embeddings(args: argparse.Namespace) -> int:
+    from qiao.bench.common import write_json
+    from qiao.bench.embeddings import EmbeddingsBenchConfig, run_embeddings
+    from qiao.bench.embeddings_report import format_embeddings, plot_embeddings
+
+    cfg = EmbeddingsBenchConfig(
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        concurrencies=args.concurrency or EmbeddingsBenchConfig.concurrencies,
+        rates=args.rate,
+        duration=args.duration,
+        num_requests=args.num_requests,
+        inputs_per_request=args.inputs_per_request,
+        input_len=args.input_len,
+        encoding_format=args.encoding_format,
+        p99_slo_ms=args.p99_slo_ms,
+        warmup=args.warmup,
+        request_timeout=args.request_timeout,
+        seed=args.seed,
+        compare_url=args.compare_url,
+        compare_model=args.compare_model,
+        workers=args.workers,
+        show_progress=not args.quiet,
+    )
+    report = run_embeddings(cfg)
+    print(format_embeddings(report))
+    write_json(args.out, report)
+    if args.plot:
+        plot_embeddings(report, args.plot)
+    failed = [run for run in report["runs"] if run["num_completed"] == 0]
+    for run in failed:
+        first = next((lv["first_error"] for lv in run["levels"] if lv["first_error"]), None)
+        print(
+            f"qiao bench embeddings: every request to {run['base_url']} ({run['model']!r}) "
+            f"failed; first error: {first}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 def _report(
