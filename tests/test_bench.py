@@ -125,7 +125,14 @@ def test_help_documents_every_flag() -> None:
     bench = argparse.ArgumentParser(prog="qiao bench")
     add_bench_subcommands(bench)
     subparsers = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(subparsers.choices) == {"hw", "throughput", "latency", "serve", "quality", "embeddings"}
+    assert set(subparsers.choices) == {
+        "hw",
+        "throughput",
+        "latency",
+        "serve",
+        "quality",
+        "embeddings",
+    }
     for name, parser in subparsers.choices.items():
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):

@@ -462,7 +462,11 @@ def parse_metrics(text: str) -> dict[MetricKey, float]:
     samples: dict[MetricKey, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "version")))
+            labels = tuple(
+                sorted(
+                    (k, v) for k, v in sample.labels.items() if k not in ("model_name", "version")
+                )
+            )
             samples[(sample.name, labels)] = sample.value
     return samples
 
