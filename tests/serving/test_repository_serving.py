@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -223,3 +223,32 @@ def test_management_index_lists_every_version(
     assert answer.status_code == 400 and "explicit" in answer.json()["error"]["message"]
     # The main listener does not serve the management API.
     assert httpx.get(server.base_url + "/v1/repository").status_code == 404
+
+
+def test_onnx_backend_serves_what_the_pytorch_backend_serves(
+    tiny_bert_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    from qiao.export.onnx import export_onnx
+
+    checkpoint = tiny_bert_checkpoint("bert-mlm")
+    root = tmp_path / "repo"
+    shutil.copytree(checkpoint, root / "torch" / "1")
+    (root / "torch" / "config.yaml").write_text("backend: embedding\n")
+    export_onnx(checkpoint, root / "onnx" / "1")
+    (root / "onnx" / "config.yaml").write_text(
+        "backend: onnx\ndynamic_batching:\n  max_queue_delay_microseconds: 1000\n"
+    )
+    server = SubprocessServer(
+        ["--model-repository", str(root), "--log-interval", "0"], tmp_path / "log"
+    )
+    try:
+        server.wait_ready()
+        texts = ["hello world", "a somewhat longer sentence to embed", "x"]
+        with httpx.Client(base_url=server.base_url) as http:
+            from_torch, from_onnx = embed(http, texts, "torch"), embed(http, texts, "onnx")
+            meta = http.get("/v2/models/onnx").json()
+        np.testing.assert_allclose(from_onnx, from_torch, atol=1e-4, rtol=0)
+        assert meta["platform"] == "onnxruntime_onnx"
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log(), server.log()[-3000:]
