@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from test_attention_ref import MIXED, Batch
@@ -70,3 +71,34 @@ def test_rotary_in_place(dtype, tol):
     expected = apply_rotary(q.clone(), cos, sin)
     ops.rotary_(q, cos, sin)
     torch.testing.assert_close(q, expected, atol=tol, rtol=tol)
+
+
+FRESH = [(9, 1), (12, 12), (12, 12), (12, 12), (30, 1)]
+
+
+@needs_ops
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_fresh_prompts_of_one_length_match_naive(num_heads, num_kv_heads, window):
+    # Three whole prompts of 12 tokens between decode tokens: the causal fast path (with the
+    # 5-token window, the gathered path: the window cuts inside the prompts).
+    batch = Batch(FRESH, num_heads, num_kv_heads)
+    out = batch.run(window, backend="cpu")
+    torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_prompt_detection(make_attn_metadata):
+    from qiao.attention.backends.cpu_paged import _fresh_prompts
+
+    def fresh(shapes):
+        query_lens, seq_lens = [q for _, q in shapes], [s for s, _ in shapes]
+        tables = torch.arange(len(shapes) * 4).view(len(shapes), 4)
+        metadata = make_attn_metadata(query_lens, seq_lens, tables, 16)
+        prefill = np.flatnonzero(metadata.query_lens_cpu[: len(shapes)] > 1)
+        return _fresh_prompts(metadata, prefill)
+
+    assert fresh(FRESH) == (1, 3, 12)
+    assert fresh([(12, 12)]) == (0, 1, 12)
+    assert fresh([(12, 12), (9, 9)]) is None  # two lengths
+    assert fresh([(20, 12), (12, 12)]) is None  # earlier context (a cached prefix or a chunk)
+    assert fresh([(12, 12), (3, 1), (12, 12)]) is None  # not adjacent

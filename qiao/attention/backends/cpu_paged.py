@@ -4,7 +4,9 @@ A decode token (one new token of its sequence) is the common case and the one a 
 hurt: the kernel reads its context block by block through the block table, with no padded copy,
 split over (sequence, kv head) on all cores. A prefill chunk has many queries per context, so
 gathering its context once and running one `scaled_dot_product_attention` over the chunk
-(the reference backend's path) is the faster form there. The reference backend is the oracle.
+(the reference backend's path) is the faster form there. Whole fresh prompts of one length (a
+new request's first step) skip even that: causal SDPA over the step's own K/V, no gather and no
+mask. The reference backend is the oracle.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from qiao.attention.backends.base import AttentionBackend
 from qiao.attention.backends.torch_ref import Group, attend_group, plan_group, write_kv
@@ -29,6 +32,9 @@ class _Plan:
     decode_rows: torch.Tensor | None  # their token rows in the flat batch
     decode_query_start_loc: torch.Tensor  # [n + 1]: one query each. E.g. n = 3 -> [0, 1, 2, 3]
     prefill: Group | None
+    # Fresh prompts (no earlier context), all of one length, side by side in the flat batch:
+    # (first row, number of prompts, length). Their attention is causal over their own K/V.
+    fresh: tuple[int, int, int] | None = None
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -63,7 +69,13 @@ class CpuPagedBackend(AttentionBackend):
         if plan.decode_rows is not None:
             rows = plan.decode_rows
             out[rows] = self._decode(query[rows], kv_cache, metadata, plan, scale, sliding_window)
-        if plan.prefill is not None:
+        if plan.fresh is not None and (sliding_window is None or plan.fresh[2] <= sliding_window):
+            first, num, length = plan.fresh
+            end = first + num * length
+            out[first:end] = _causal(
+                query[first:end], key[first:end], value[first:end], num, length, scale
+            ).to(out.dtype)
+        elif plan.prefill is not None:
             grid = attend_group(query, kv_cache, metadata, plan.prefill, scale, sliding_window)
             out[plan.prefill.valid_rows] = grid.flatten(0, 1)[plan.prefill.valid_slots]
         return out
@@ -92,6 +104,51 @@ class CpuPagedBackend(AttentionBackend):
         )
 
 
+def _causal(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    num: int,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of `num` whole prompts of `length` tokens over their own K/V: no cache
+    gather, no mask tensor. Rows [num * length, H, D] in, same out."""
+
+    # [num * length, H, D] -> [num, H, length, D]
+    def grid(t: torch.Tensor) -> torch.Tensor:
+        return t.view(num, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    dtype = query.dtype
+    out = F.scaled_dot_product_attention(
+        grid(query),
+        grid(key.to(dtype)),
+        grid(value.to(dtype)),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).reshape(num * length, query.shape[1], query.shape[2])
+
+
+def _fresh_prompts(
+    metadata: AttentionMetadata, prefill_ids: np.ndarray
+) -> tuple[int, int, int] | None:
+    """(first row, count, length) when every prefill sequence is a whole prompt with no earlier
+    context, all of one length and adjacent in the flat batch; else None."""
+    query_lens = metadata.query_lens_cpu[prefill_ids]
+    if not np.array_equal(query_lens, metadata.seq_lens_cpu[prefill_ids]):
+        return None
+    length = int(query_lens[0])
+    if not np.all(query_lens == length):
+        return None
+    starts = metadata.query_start_loc_cpu[prefill_ids]
+    # E.g. 3 prompts of 4 tokens from row 2 -> starts [2, 6, 10]
+    if not np.array_equal(starts, starts[0] + length * np.arange(prefill_ids.size)):
+        return None
+    return int(starts[0]), int(prefill_ids.size), length
+
+
 def _plan(metadata: AttentionMetadata, device: torch.device) -> _Plan:
     query_lens = metadata.query_lens_cpu[: metadata.num_seqs]
     is_decode = query_lens == 1
@@ -112,4 +169,5 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _Plan:
         decode_rows=to_device(rows) if decode_ids.size else None,
         decode_query_start_loc=qsl,
         prefill=plan_group(metadata, prefill_ids, device),
+        fresh=_fresh_prompts(metadata, prefill_ids),
     )
