@@ -285,12 +285,16 @@ class SubprocessServer:
                 pytest.fail(f"qiao serve did not start:\n{self.log()[-3000:]}")
             else:
                 time.sleep(0.05)
-        with httpx.Client(base_url=self.base_url, timeout=5.0) as client:
-            wait_until(
-                lambda: client.get("/health/ready").status_code == 200,
-                max(deadline - time.monotonic(), 1.0),
-                "/health/ready to answer 200",
-            )
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=5.0) as client:
+                wait_until(
+                    lambda: client.get("/health/ready").status_code == 200,
+                    max(deadline - time.monotonic(), 1.0),
+                    "/health/ready to answer 200",
+                )
+        except BaseException:
+            self.stop()  # never leave a server behind, whatever the test does next
+            raise
         return self
 
     def stop(self) -> int:
