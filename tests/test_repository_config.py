@@ -67,7 +67,6 @@ FULL_LLM = {
         "seed": 7,
         "scheduling_policy": "priority",
         "cuda_graphs": False,
-        "num_threads": 2,
     },
 }
 
@@ -105,7 +104,7 @@ def test_every_llm_key_reaches_the_engine_config() -> None:
     config = parse_model_config(FULL_LLM, "models/chat/config.json")
     assert config.version_policy.specific is not None
     assert config.version_policy.specific.versions == ["1", "3"]
-    assert config.llm is not None and config.llm.num_threads == 2
+    assert config.llm is not None and config.llm.seed == 7
     engine = EngineConfig.create("/some/checkpoint", **config.engine_kwargs())
     assert engine.model.dtype == "bfloat16"
     assert engine.model.max_model_len == 512
@@ -385,7 +384,7 @@ BAD_VALUES = [
     (with_(LLM, llm={"scheduling_policy": "lifo"}), "llm.scheduling_policy:"),
     (with_(LLM, llm={"kv_cache_memory": 0}), "llm.kv_cache_memory:"),
     (with_(LLM, llm={"num_kv_blocks": 0}), "llm.num_kv_blocks:"),
-    (with_(LLM, llm={"num_threads": 0}), "llm.num_threads:"),
+    (with_(LLM, llm={"num_threads": 2}), "llm.num_threads:"),  # per process, not per model
     (with_(LLM, llm={"enable_prefix_caching": "no"}), "llm.enable_prefix_caching:"),
     (with_(LLM, llm={"cuda_graphs": 1}), "llm.cuda_graphs:"),
     (with_(LLM, llm={"seed": "1"}), "llm.seed:"),

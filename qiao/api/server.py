@@ -174,6 +174,8 @@ def build_app(settings: ServeSettings) -> Any:
     root = settings.model_repository
     if not root.is_dir():
         raise ConfigError(f"model_repository {root} is not a directory")
+    # torch's thread count is per process: one setting for every model of the repository.
+    apply_num_threads(settings.num_threads)
     limits = AdmissionLimits(
         max_waiting_seqs=settings.max_waiting_requests,
         max_waiting_tokens=settings.max_waiting_tokens,

@@ -32,7 +32,8 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
     llm:                                                 (llm only; the `qiao serve` engine flags)
       max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
       enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, quantization,
-      load_format, seed, scheduling_policy, cuda_graphs, num_threads
+      load_format, seed, scheduling_policy, cuda_graphs (torch's thread count is per
+      process: `qiao serve --num-threads`)
 
 The result is a frozen `ModelConfigFile`; `batcher_values()` and `engine_kwargs()` turn it into the
 batcher's and the LLM engine's settings.
@@ -250,7 +251,6 @@ class LLMSettings(_Section):
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     cuda_graphs: bool | None = None  # None: on for CUDA, off elsewhere
-    num_threads: int | None = Field(None, ge=1)
 
 
 class ModelConfigFile(_Section):
@@ -381,10 +381,9 @@ class ModelConfigFile(_Section):
     def engine_kwargs(self) -> dict[str, Any]:
         """`EngineConfig.create(version_dir, **kwargs)` for an llm: the llm block, precision_mode
         as dtype, hardware.device (+ gpu_id) as device, hardware.workspace_size as the KV cache
-        budget when llm.kv_cache_memory is not set. `llm.num_threads` is not among them (it is
-        the process's torch thread count, not the engine's)."""
+        budget when llm.kv_cache_memory is not set."""
         llm = self.llm or LLMSettings()
-        kwargs = llm.model_dump(exclude={"num_threads"})
+        kwargs = llm.model_dump()
         if kwargs["kv_cache_memory"] is None and self.hardware.workspace_size is not None:
             kwargs["kv_cache_memory"] = float(self.hardware.workspace_size)
         return {**kwargs, "dtype": self.dtype_name, "device": self.hardware.device_spec}

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -106,7 +106,8 @@ class ModelManager:
         self._models: dict[str, _Model] = {}
         self._poll_task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
-        self._retiring: set[asyncio.Task[None]] = set()
+        # Replaced instances finishing their requests: no longer in a slot, still serving.
+        self._leaving: list[Served] = []
 
     @classmethod
     def single(cls, model: str, served: Served, **kwargs: Any) -> ModelManager:
@@ -153,8 +154,6 @@ class ModelManager:
             for slot in list(model.slots.values()):
                 if slot.served is not None:
                     await slot.served.stop()
-        for task in list(self._retiring):
-            task.cancel()
 
     async def _poll(self) -> None:
         while True:
@@ -227,7 +226,11 @@ class ModelManager:
         return out
 
     def num_unfinished(self) -> int:
-        return sum(s.num_unfinished() for s in self.served_versions())
+        """Requests held by every started version, replaced instances still finishing theirs
+        included (they are not in `served_versions`: their labels are the new instance's)."""
+        served = self.served_versions()
+        served += [s for s in self._leaving if s not in served]
+        return sum(s.num_unfinished() for s in served)
 
     def traffic(self, model: str) -> dict[str, float]:
         """The effective split over ready versions (shares summing to 1)."""
@@ -259,10 +262,12 @@ class ModelManager:
                 "--model-control-mode explicit (or poll) to load and unload at run time"
             )
         check_model_name(model)
-        entry = self._scan_one(model)
+        entry = await asyncio.to_thread(self._scan_one, model)
         if entry is None:
             raise ModelNotFoundError(f"model {model!r} is not in the repository")
         await self._reconcile(model, entry, force=True)
+        if entry.error:  # reported in the index too; loaded versions keep serving
+            raise ConfigError(self._clean(entry.error))
 
     async def unload(self, model: str) -> None:
         if self.mode != "explicit":
@@ -319,8 +324,7 @@ class ModelManager:
             await self._reconcile(name, entries.get(name))
 
     async def _reconcile(self, name: str, entry: ModelEntry | None, force: bool = False) -> None:
-        m = self._models.setdefault(name, _Model(name))
-        async with m.lock:
+        async with self._locked(name) as m:
             if entry is None:
                 for version in list(m.slots):
                     await self._remove(m, version)
@@ -339,8 +343,7 @@ class ModelManager:
                 m.credit.clear()
             m.entry = entry
             wanted = entry.versions
-            for version in [v for v in m.slots if v not in wanted]:
-                await self._remove(m, version)
+            # New and replaced versions first, so the old ones serve while they load.
             for version in sorted(wanted, key=int):
                 vdir = wanted[version]
                 slot = m.slots.get(version)
@@ -352,6 +355,35 @@ class ModelManager:
                         await self._add(m, entry, vdir)
                     else:
                         await self._replace(m, entry, vdir)
+            leaving = [v for v in m.slots if v not in wanted]
+            if leaving and not any(
+                m.slots[v].state is VersionState.READY for v in wanted if v in m.slots
+            ):
+                # No wanted version is ready (e.g. the new latest failed): keep what serves.
+                logger.warning(
+                    "%s: no version the policy selects is ready; keeping version(s) %s",
+                    name,
+                    ", ".join(sorted(leaving, key=int)),
+                )
+                leaving = [v for v in leaving if m.slots[v].state is not VersionState.READY]
+            for version in leaving:
+                await self._remove(m, version)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, name: str) -> AsyncIterator[_Model]:
+        """The model's record, locked. A removal drops the record while others may wait on its
+        lock (e.g. load, unload, load): they start over on the current record, so nothing is
+        loaded into one no longer routed to."""
+        while True:
+            m = self._models.setdefault(name, _Model(name))
+            await m.lock.acquire()
+            if self._models.get(name) is m:
+                break
+            m.lock.release()
+        try:
+            yield m
+        finally:
+            m.lock.release()
 
     async def _build(self, entry: ModelEntry, vdir: VersionDir) -> Served:
         if vdir.error:
@@ -407,19 +439,27 @@ class ModelManager:
         slot.state = VersionState.UNLOADING
         if m.weights is not None and version in m.weights:
             m.weights = {v: w for v, w in m.weights.items() if v != version} or None
-        if slot.served is not None:
-            await self._retire(slot.served)
-        m.slots.pop(version, None)
+        try:
+            if slot.served is not None:
+                await self._retire(slot.served)
+        finally:
+            # Stopped by now even if cancelled; a slot left behind would be stopped twice.
+            m.slots.pop(version, None)
         logger.info("unloaded %s version %s", m.name, version)
 
     async def _retire(self, served: Served) -> None:
         """Wait for the requests `served` holds (up to drain_timeout), then stop it."""
         deadline = time.monotonic() + self.drain_timeout
-        # New requests no longer reach it; yield once so ones already routed get admitted.
-        await asyncio.sleep(0)
-        while served.num_unfinished() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        await served.stop()
+        self._leaving.append(served)
+        try:
+            # New requests no longer reach it; yield once so ones already routed get admitted.
+            await asyncio.sleep(0)
+            while served.num_unfinished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        finally:
+            # Also when cancelled (shutdown cancels the poll loop mid-drain): never leak it.
+            self._leaving.remove(served)
+            await served.stop()
 
     def _clean(self, message: str) -> str:
         """An error for the index: repository paths shown relative to the repository."""
