@@ -22,14 +22,32 @@ def load_tokenizer(path: str | Path) -> Any:
             f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)} "
             "(pass skip_tokenizer_init=True to run on token ids only)"
         )
-    from transformers import AutoTokenizer
-
     try:
+        if _names_generic_fast_tokenizer(path):
+            # What AutoTokenizer would build, without importing every model's config first
+            # (about a second and a half of a server's start).
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=False, local_files_only=True
         )
     except Exception as exc:  # transformers raises many types; report the file, not a traceback
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+def _names_generic_fast_tokenizer(path: Path) -> bool:
+    """tokenizer_config.json asks for the generic fast tokenizer over tokenizer.json."""
+    config = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return name in ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_eos_token_ids(

@@ -33,25 +33,12 @@ cleanup() {
 trap cleanup EXIT
 
 "$PY" - "$SHAPE" "$MODEL_DIR" <<'EOF'
-# The shape's config.json plus a word-level tokenizer over its whole vocabulary: the load
-# generator's words first (one token each), then filler words. Random weights emit ids across the
-# vocabulary; a smaller tokenizer would decode most of them to nothing, and the server would
-# stream several tokens per chunk, hiding the per-token latency being measured.
-import json, sys
-from pathlib import Path
-from tokenizers import Tokenizer, models, pre_tokenizers
+# The shape's config.json plus a word-level tokenizer over its whole vocabulary (see
+# write_word_tokenizer: the load generator's words first, then filler words).
+import sys
 from qiao.bench.serve import _WORDS
-from qiao.bench.shapes import write_shape_dir
-shape, target = sys.argv[1], Path(sys.argv[2])
-write_shape_dir(shape, target)
-vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
-words = ["<unk>", *dict.fromkeys(_WORDS)]
-words += [f"w{i}" for i in range(vocab_size - len(words))]
-tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tokenizer.save(str(target / "tokenizer.json"))
-config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
-(target / "tokenizer_config.json").write_text(json.dumps(config))
+from qiao.bench.shapes import write_shape_dir, write_word_tokenizer
+write_word_tokenizer(write_shape_dir(sys.argv[1], sys.argv[2]), list(_WORDS))
 EOF
 
 START=$(date +%s%N)

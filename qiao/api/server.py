@@ -17,7 +17,6 @@ from typing import Any
 import uvicorn
 
 from qiao.api.app import create_app
-from qiao.api.kserve_grpc import build_grpc_server
 from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
@@ -230,6 +229,8 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
         port = mgmt.servers[0].sockets[0].getsockname()[1]
         logger.info("management API on http://%s:%d", settings.management_host, port)
     if settings.grpc_port is not None:
+        from qiao.api.kserve_grpc import build_grpc_server  # grpc loads only when asked for
+
         grpc_server, port = build_grpc_server(
             lambda: app.state.router,
             host=settings.host,

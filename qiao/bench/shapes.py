@@ -134,3 +134,21 @@ def write_shape_dir(name: str, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(shape_config(name), indent=2))
     return directory
+
+
+def write_word_tokenizer(directory: str | Path, words: list[str]) -> None:
+    """A word-level tokenizer over the shape's whole vocabulary in `directory`: `words` first
+    (one token each), then filler words. Random weights emit ids across the vocabulary; a
+    smaller tokenizer would decode most of them to nothing, and a server would stream several
+    tokens per chunk, hiding the per-token latency being measured."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = Path(directory)
+    vocab_size = json.loads((directory / "config.json").read_text())["vocab_size"]
+    vocab = ["<unk>", *dict.fromkeys(words)]
+    vocab += [f"w{i}" for i in range(vocab_size - len(vocab))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

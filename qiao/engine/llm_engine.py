@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import logging
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from qiao.config import EngineConfig
@@ -34,28 +35,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        is_dummy = mc.load_format == "dummy"
         self.arch = load_arch_config(mc.path)
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer or mc.path)
+        # The tokenizer loads (mostly Python imports) on a worker thread while the weights load
+        # (torch ops, which let go of the GIL): a second or two off every start.
+        with ThreadPoolExecutor(1, thread_name_prefix="qiao-tokenizer") as pool:
+            tokenizer = None
+            if not mc.skip_tokenizer_init:
+                tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.path)
+            self.runner = self._build_runner(config)
+            self.tokenizer = tokenizer.result() if tokenizer is not None else None
         self.eos_token_ids = load_eos_token_ids(mc.path, self.arch.eos_token_ids, self.tokenizer)
-        import torch
 
-        device = default_device() if config.device == "auto" else torch.device(config.device)
-        dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype)
-        self.runner = ModelRunner(
-            self.arch,
-            None if is_dummy else str(mc.path),
-            dtype=dtype,
-            device=device,
-            load_format=mc.load_format,
-            quantization=mc.quantization,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            cuda_graphs=config.cuda_graphs,
-        )
         cache = config.cache
         # Every running sequence at full length, each rounding up to whole blocks.
         blocks_per_seq = -(-self.max_model_len // cache.block_size)
@@ -72,6 +65,23 @@ class LLMEngine:
         self.num_computed_tokens_total = 0  # prompt and recomputed tokens plus decode inputs
         self.num_generated_tokens_total = 0
         self._arrivals = itertools.count()
+
+    def _build_runner(self, config: EngineConfig) -> ModelRunner:
+        import torch
+
+        mc = config.model
+        device = default_device() if config.device == "auto" else torch.device(config.device)
+        return ModelRunner(
+            self.arch,
+            None if mc.load_format == "dummy" else str(mc.path),
+            dtype=resolve_dtype(mc.dtype, self.arch.torch_dtype),
+            device=device,
+            load_format=mc.load_format,
+            quantization=mc.quantization,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=config.cuda_graphs,
+        )
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and update once; return the outputs that are ready."""
