@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.hal.platform import DTYPES
+from qiao.layers.linear_method import choose_method
 from qiao.models.bert import (
     load_bert_config,
     load_pooling_config,
@@ -189,6 +191,7 @@ class TorchEncoder(_TokenizingEncoder):
         self.dtype = _torch_dtype(dtype)
         self.device = _torch_device(device)
         self.model = load_sentence_encoder(path, dtype=self.dtype, device=self.device)
+        prepack_linears(self.model)
 
     def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         input_ids, attention_mask = self._padded_batch(token_ids)
@@ -198,6 +201,31 @@ class TorchEncoder(_TokenizingEncoder):
                 torch.from_numpy(attention_mask).to(self.device),
             )
         return out.cpu().numpy()
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight is stored and multiplied the way `choose_method` picks for
+    this device (on the CPU: oneDNN, weight prepacked once), as qiao's LLM layers do."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        # Encoder batches are a few to a few hundred rows of tokens.
+        self.method = choose_method(self.weight, quantization=None, batch_hint=64)
+        self.method.prepare(self)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # type: ignore[arg-type]
+
+
+def prepack_linears(model: nn.Module) -> None:
+    """Swap every `nn.Linear` of `model` for a `PackedLinear` (for inference only: the ONNX
+    export traces the plain model)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child))
 
 
 class OnnxEncoder(_TokenizingEncoder):
