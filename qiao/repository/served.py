@@ -25,7 +25,7 @@ from qiao.repository.types import TensorSpec
 from qiao.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from qiao.engine.async_engine import AsyncEngine
+    from qiao.engine.async_engine import AsyncEngine, RequestStream
     from qiao.engine.batcher import BatcherConfig
     from qiao.runner.encoder import Encoder
 
@@ -103,25 +103,32 @@ class LLMVersion:
                     f"prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceeds the "
                     f"context of {self.engine.max_model_len} tokens"
                 )
-        streams = [
-            self.engine.generate(
-                f"infer-{uuid.uuid4().hex}",
-                prompt,
-                params,
-                priority=priority or 0,
-                deadline=deadline,
-            )
-            for prompt in ids
-        ]
-        texts = await asyncio.gather(*(_final_text(s) for s in streams))
+        streams: list[RequestStream] = []
+        try:
+            for prompt in ids:
+                # Admitted all or none: a full queue part-way aborts the ones already in.
+                streams.append(
+                    self.engine.generate(
+                        f"infer-{uuid.uuid4().hex}",
+                        prompt,
+                        params,
+                        priority=priority or 0,
+                        deadline=deadline,
+                    )
+                )
+            texts = await asyncio.gather(*(_final_text(s) for s in streams))
+        finally:
+            # Whatever ended this call early (an error, the client going away) frees the rest.
+            for stream in streams:
+                await stream.aclose()
         out = np.empty(len(texts), dtype=object)
         out[:] = [t.encode("utf-8") for t in texts]
         return {"text_output": out}
 
 
-async def _final_text(stream: object) -> str:
+async def _final_text(stream: RequestStream) -> str:
     parts: list[str] = []
-    async for output in stream:  # type: ignore[attr-defined]
+    async for output in stream:
         parts.append(output.outputs[0].text)
     return "".join(parts)
 

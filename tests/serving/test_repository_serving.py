@@ -252,3 +252,27 @@ def test_onnx_backend_serves_what_the_pytorch_backend_serves(
     finally:
         server.stop()
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_kserve_infer_on_the_llm_checks_its_inputs(
+    platform_server: tuple[SubprocessServer, int, int],
+) -> None:
+    server, _, _ = platform_server
+
+    def infer(max_tokens: int, text: str = PROMPT) -> httpx.Response:
+        body = {
+            "inputs": [
+                {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [text]},
+                {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [max_tokens]},
+            ]
+        }
+        return httpx.post(server.base_url + "/v2/models/stories/infer", json=body, timeout=60)
+
+    ok = infer(32)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["outputs"][0]["data"] == [GREEDY_32]
+    too_long = infer(100_000)
+    assert too_long.status_code == 400 and "max_tokens" in too_long.json()["error"]
+    assert infer(0).status_code == 400
+    # Nothing was left running in the engine by the refused requests.
+    assert infer(32).json()["outputs"][0]["data"] == [GREEDY_32]
