@@ -4,10 +4,11 @@ model version's dynamic batcher."""
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from qiao.api.errors import APIError, as_api_error
@@ -31,7 +32,7 @@ class EmbeddingRequest(BaseModel):
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     settings = request.app.state.settings
     served = resolve_model(request, body.model, body.user)
     if not isinstance(served, EncoderVersion):
@@ -61,12 +62,15 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
         {"object": "embedding", "index": i, "embedding": _encode(row, body.encoding_format)}
         for i, row in enumerate(vectors)
     ]
-    return {
-        "object": "list",
-        "data": data,
-        "model": body.model,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+    # A response object of plain JSON types: FastAPI's encoder would walk every float again.
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": body.model,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }
+    )
 
 
 def _token_ids(body: EmbeddingRequest, served: EncoderVersion, max_inputs: int) -> list[list[int]]:
