@@ -66,6 +66,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay CUDA graphs for decode steps (default: on for CUDA, off elsewhere)",
+    )
+    g.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -156,6 +162,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
+        cuda_graphs=args.cuda_graphs,
         num_threads=args.num_threads,
         profile=args.profile,
     )
