@@ -15,7 +15,6 @@ RPCs stay open), INTERNAL for anything unexpected (logged here; the message says
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -40,6 +39,7 @@ from qiao.api.kserve_tensors import (
     select_outputs,
     to_raw,
 )
+from qiao.api.middleware import bearer_matches
 from qiao.api.proto import inference_pb2 as pb
 from qiao.api.proto import inference_pb2_grpc as pb_grpc
 from qiao.errors import (
@@ -138,12 +138,7 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         values = [value for key, value in metadata or () if key == "authorization"]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
-        scheme, _, token = values[0].partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        # Compare against every key, in constant time each, so timing reveals nothing.
-        matches = [hmac.compare_digest(token.strip().encode(), key) for key in self._keys]
-        return any(matches)
+        return bearer_matches(values[0].encode(), self._keys)
 
 
 # --- errors -------------------------------------------------------------------------------------

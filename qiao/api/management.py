@@ -22,7 +22,6 @@ paths masked: no traceback, no file path, no address.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -35,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from qiao.api.errors import error_body
-from qiao.api.middleware import ASGIApp, Message, Receive, Scope, Send
+from qiao.api.middleware import ASGIApp, Message, Receive, Scope, Send, bearer_matches
 from qiao.errors import ConfigError, EngineUnavailableError, ModelNotFoundError
 from qiao.repository.scan import NAME_RULE, check_model_name, check_version
 from qiao.repository.types import ModelControl, VersionState, VersionStatus
@@ -318,9 +317,7 @@ class ManagementGuard:
         await self.app(scope, self._limited(receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.token)
+        return bearer_matches(dict(scope["headers"]).get(b"authorization", b""), [self.token])
 
     def _limited(self, receive: Receive) -> Receive:
         received = 0

@@ -68,14 +68,18 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        # Compare against every key, in constant time each, so timing reveals nothing.
-        matches = [hmac.compare_digest(token, key) for key in self.keys]
-        return any(matches)
+        return bearer_matches(dict(scope["headers"]).get(b"authorization", b""), self.keys)
+
+
+def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
+    """Whether an `Authorization` value is `Bearer <one of keys>`. Every key is compared, in
+    constant time each, so timing reveals nothing (HTTP, management and gRPC all use this)."""
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return False
+    token = token.strip()
+    matches = [hmac.compare_digest(token, key) for key in keys]
+    return any(matches)
 
 
 class BodyLimitMiddleware:
