@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from qiao.api.errors import APIError, as_api_error
+from qiao.api.limits import split_inputs
 from qiao.api.openai_routes import resolve_model
 from qiao.repository.served import EncoderVersion
 
@@ -74,23 +75,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
 
 
 def _token_ids(body: EmbeddingRequest, served: EncoderVersion, max_inputs: int) -> list[list[int]]:
-    value = body.input
-    if isinstance(value, str):
-        texts: list[str] | None = [value]
-        ids: list[list[int]] = []
-    elif value and isinstance(value[0], str):
-        texts, ids = list(value), []  # type: ignore[arg-type]
-    elif value and isinstance(value[0], list):
-        texts, ids = None, [list(v) for v in value]  # type: ignore[union-attr]
-    else:
-        texts, ids = None, [list(value)]  # type: ignore[arg-type]
-    count = len(texts) if texts is not None else len(ids)
-    if count == 0 or (texts is None and any(not row for row in ids)):
+    texts, ids = split_inputs(body.input, param="input", noun="inputs", max_count=max_inputs)
+    if texts is None and any(not row for row in ids):
         raise APIError(400, "input: must not be empty", param="input")
-    if count > max_inputs:
-        raise APIError(
-            400, f"input: at most {max_inputs} inputs per request, got {count}", param="input"
-        )
     if texts is not None:
         if any(not text for text in texts):
             raise APIError(400, "input: texts must not be empty strings", param="input")

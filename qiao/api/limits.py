@@ -154,3 +154,32 @@ def to_sampling_params(
         )
     except ConfigError as exc:
         raise as_api_error(exc) from None
+
+
+def split_inputs(
+    value: str | list[str] | list[int] | list[list[int]],
+    *,
+    param: str,
+    noun: str,
+    max_count: int,
+) -> tuple[list[str] | None, list[list[int]]]:
+    """An OpenAI text-or-tokens field (`prompt`, `input`): a string, strings, token ids, or lists
+    of token ids → (texts, None-for-ids) or (None, id lists); 400 when empty or over
+    `max_count`."""
+    if isinstance(value, str):
+        texts: list[str] | None = [value]
+        id_lists: list[list[int]] = []
+    elif value and isinstance(value[0], str):
+        texts, id_lists = list(value), []  # type: ignore[arg-type]
+    elif value and isinstance(value[0], list):
+        texts, id_lists = None, [list(v) for v in value]  # type: ignore[union-attr]
+    else:
+        texts, id_lists = None, [list(value)]  # type: ignore[arg-type]
+    count = len(texts) if texts is not None else len(id_lists)
+    if count == 0:
+        raise APIError(400, f"{param}: must not be empty", param=param)
+    if count > max_count:
+        raise APIError(
+            400, f"{param}: at most {max_count} {noun} per request, got {count}", param=param
+        )
+    return texts, id_lists

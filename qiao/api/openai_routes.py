@@ -10,7 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from qiao.api.errors import APIError, as_api_error
-from qiao.api.limits import check_request_fields, resolve_max_tokens, to_sampling_params
+from qiao.api.limits import (
+    check_request_fields,
+    resolve_max_tokens,
+    split_inputs,
+    to_sampling_params,
+)
 from qiao.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from qiao.api.serving import (
     Job,
@@ -171,26 +176,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 def _completion_prompts(body: CompletionRequest, state: Any, engine: Any) -> list[list[int]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        texts: list[str] | None = [prompt]
-        id_lists: list[list[int]] = []
-    elif prompt and isinstance(prompt[0], str):
-        texts = list(prompt)  # type: ignore[arg-type]
-        id_lists = []
-    elif prompt and isinstance(prompt[0], list):
-        texts, id_lists = None, [list(p) for p in prompt]  # type: ignore[union-attr]
-    else:
-        texts, id_lists = None, [list(prompt)]  # type: ignore[arg-type]
-    count = len(texts) if texts is not None else len(id_lists)
-    if count == 0:
-        raise APIError(400, "prompt: must not be empty", param="prompt")
-    if count > state.settings.max_prompts:
-        raise APIError(
-            400,
-            f"prompt: at most {state.settings.max_prompts} prompts per request, got {count}",
-            param="prompt",
-        )
+    texts, id_lists = split_inputs(
+        body.prompt, param="prompt", noun="prompts", max_count=state.settings.max_prompts
+    )
     if texts is None:
         vocab = engine.vocab_size
         for ids in id_lists:
