@@ -38,7 +38,7 @@ async def list_models(request: Request) -> ModelList:
     manager: ModelManager = request.app.state.router
     cards = []
     for name in manager.model_names():
-        served = manager.pick(name)
+        served = manager.get(name)
         max_len = served.engine.max_model_len if isinstance(served, LLMVersion) else None
         cards.append(ModelCard(id=name, max_model_len=max_len))
     return ModelList(data=cards)
@@ -57,7 +57,7 @@ def resolve_model(request: Request, model: str, user: str | None) -> Any:
     traffic weights, sticky per `user`)."""
     name, version = split_model_id(model)
     try:
-        return request.app.state.router.pick(name, version, user=user)
+        return request.app.state.router.get(name, version, user=user)
     except Exception as exc:
         error = as_api_error(exc)
         error.param = error.param or "model"

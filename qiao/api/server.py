@@ -81,13 +81,17 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
 def build_engine(settings: ServeSettings) -> AsyncEngine:
     config, num_threads = engine_config(settings)
     apply_num_threads(num_threads)
-    limits = AdmissionLimits(
+    return AsyncEngine(LLMEngine(config), admission_limits(settings))
+
+
+def admission_limits(settings: ServeSettings) -> AdmissionLimits:
+    """Every LLM engine's admission bounds and health timing, from the serve settings."""
+    return AdmissionLimits(
         max_waiting_seqs=settings.max_waiting_requests,
         max_waiting_tokens=settings.max_waiting_tokens,
         stall_timeout=settings.stall_timeout,
         log_interval=settings.log_interval,
     )
-    return AsyncEngine(LLMEngine(config), limits)
 
 
 class DrainingServer(uvicorn.Server):
@@ -175,16 +179,10 @@ def build_app(settings: ServeSettings) -> Any:
         raise ConfigError(f"model_repository {root} is not a directory")
     # torch's thread count is per process: one setting for every model of the repository.
     apply_num_threads(settings.num_threads)
-    limits = AdmissionLimits(
-        max_waiting_seqs=settings.max_waiting_requests,
-        max_waiting_tokens=settings.max_waiting_tokens,
-        stall_timeout=settings.stall_timeout,
-        log_interval=settings.log_interval,
-    )
 
     def build_manager(metrics: Any) -> ModelManager:
         return ModelManager(
-            VersionBuilder(limits, seed=settings.seed),
+            VersionBuilder(admission_limits(settings), seed=settings.seed),
             root,
             mode=settings.model_control_mode,
             poll_interval=settings.repository_poll_interval,

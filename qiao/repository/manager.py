@@ -192,12 +192,7 @@ class ModelManager:
         m = self._models.get(model)
         return m.ready() if m is not None else []
 
-    def get(
-        self, model: str, version: str | None = None, *, user: str | None = None
-    ) -> ServedVersion:
-        return self.pick(model, version, user=user)
-
-    def pick(self, model: str, version: str | None = None, *, user: str | None = None) -> Served:
+    def get(self, model: str, version: str | None = None, *, user: str | None = None) -> Served:
         m = self._models.get(model)
         if m is None or not m.slots:
             raise ModelNotFoundError(f"model {model!r} is not served; GET /v1/models lists them")

@@ -159,7 +159,6 @@ class EncoderVersion:
             name=f"{model}/{version}",
             on_batch=on_batch,
         )
-        self._held = 0
 
     def _run_batch(self, items: list[list[list[int]]]) -> list[np.ndarray]:
         # E.g. items of 2, 1 and 3 rows -> one embed call of 6 rows, split back 2 / 1 / 3.
@@ -175,7 +174,7 @@ class EncoderVersion:
         await self.batcher.close(drain=True)
 
     def num_unfinished(self) -> int:
-        return self._held
+        return self.batcher.queue_size + self.batcher.in_flight
 
     def is_healthy(self) -> tuple[bool, str]:
         return True, "ok"
@@ -198,13 +197,9 @@ class EncoderVersion:
                 raise ConfigError(
                     f"input of {len(ids)} tokens exceeds the model's {self.encoder.max_length}"
                 )
-        self._held += 1
-        try:
-            return await self.batcher.submit(
-                token_ids, rows=len(token_ids), priority=priority, timeout_us=timeout_us
-            )
-        finally:
-            self._held -= 1
+        return await self.batcher.submit(
+            token_ids, rows=len(token_ids), priority=priority, timeout_us=timeout_us
+        )
 
     async def embed(
         self, texts: list[str], *, priority: int | None = None, timeout_us: int | None = None
