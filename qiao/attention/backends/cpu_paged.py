@@ -31,10 +31,13 @@ class _Plan:
     decode_seq_ids: torch.Tensor | None  # decode sequences (None when every one is)
     decode_rows: torch.Tensor | None  # their token rows in the flat batch
     decode_query_start_loc: torch.Tensor  # [n + 1]: one query each. E.g. n = 3 -> [0, 1, 2, 3]
-    prefill: Group | None
+    prefill_ids: np.ndarray | None  # sequences with more than one query (None when none)
     # Fresh prompts (no earlier context), all of one length, side by side in the flat batch:
     # (first row, number of prompts, length). Their attention is causal over their own K/V.
     fresh: tuple[int, int, int] | None = None
+    # The prefill sequences' query grid over their gathered context, planned by the first layer
+    # that needs it (fresh prompts never do, unless a sliding window cuts inside them).
+    prefill: Group | None = None
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -75,7 +78,9 @@ class CpuPagedBackend(AttentionBackend):
             out[first:end] = _causal(
                 query[first:end], key[first:end], value[first:end], num, length, scale
             ).to(out.dtype)
-        elif plan.prefill is not None:
+        elif plan.prefill_ids is not None:
+            if plan.prefill is None:
+                plan.prefill = plan_group(metadata, plan.prefill_ids, query.device)
             grid = attend_group(query, kv_cache, metadata, plan.prefill, scale, sliding_window)
             out[plan.prefill.valid_rows] = grid.flatten(0, 1)[plan.prefill.valid_slots]
         return out
@@ -168,6 +173,6 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> _Plan:
         decode_seq_ids=to_device(decode_ids) if decode_ids.size else None,
         decode_rows=to_device(rows) if decode_ids.size else None,
         decode_query_start_loc=qsl,
-        prefill=plan_group(metadata, prefill_ids, device),
+        prefill_ids=prefill_ids,
         fresh=_fresh_prompts(metadata, prefill_ids),
     )
