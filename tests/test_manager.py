@@ -1006,12 +1006,12 @@ def test_a_load_queued_behind_an_unload_of_the_same_model_takes_effect(
     run(scenario())
 
 
-def test_single_serves_a_prebuilt_version(tmp_path: Path) -> None:
+def test_static_serves_a_prebuilt_version(tmp_path: Path) -> None:
     entry = ModelEntry("m", tmp_path, None)
     served = FakeVersion("m", "1", entry)
 
     async def scenario() -> None:
-        manager = ModelManager.single("m", served)
+        manager = ModelManager.static([served])
         assert not manager.is_ready()  # not started yet
         await manager.start()
         assert served.num_starts == 1 and manager.get("m") is served

@@ -55,7 +55,7 @@ def create_app(
     metrics = ServerMetrics(lambda: _llm_versions(manager))
     if engine is not None:
         served = LLMVersion(settings.model_name, "1", engine)
-        manager = ModelManager.single(settings.model_name, served)
+        manager = ModelManager.static([served])
     elif build_manager is not None:
         manager = build_manager(metrics)
     if manager is None:

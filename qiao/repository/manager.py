@@ -110,13 +110,9 @@ class ModelManager:
         self._leaving: list[Served] = []
 
     @classmethod
-    def single(cls, model: str, served: Served, **kwargs: Any) -> ModelManager:
-        """One already-built model as version 1 (`qiao serve --model PATH`)."""
-        return cls.static([served], **kwargs)
-
-    @classmethod
     def static(cls, versions: Iterable[Served], **kwargs: Any) -> ModelManager:
-        """Already-built versions, started with the server, never reloaded (no repository)."""
+        """Already-built versions, started with the server, never reloaded (no repository):
+        `qiao serve --model PATH`, and the built-in models."""
         manager = cls(**kwargs)
         for served in versions:
             slot = _Slot(served.version, VersionState.LOADING, served=served)
