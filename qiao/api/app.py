@@ -28,7 +28,8 @@ from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.version import __version__
 
 
-def _llm_versions(manager: ModelManager | None) -> list[LLMVersion]:
+def llm_versions(manager: ModelManager | None) -> list[LLMVersion]:
+    """The manager's started LLM versions (for engine metrics and draining)."""
     if manager is None:
         return []
     return [s for s in manager.served_versions() if isinstance(s, LLMVersion)]
@@ -52,7 +53,7 @@ def create_app(
     """An app serving one LLM `engine` (as version 1 of `settings.model_name`), or the models
     of a `manager`, or of the manager `build_manager(metrics)` returns (so loaders can hook
     their versions into this app's metrics)."""
-    metrics = ServerMetrics(lambda: _llm_versions(manager))
+    metrics = ServerMetrics(lambda: llm_versions(manager))
     if engine is not None:
         served = LLMVersion(settings.model_name, "1", engine)
         manager = ModelManager.static([served])

@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from qiao.api.app import create_app
+from qiao.api.app import create_app, llm_versions
 from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
@@ -115,7 +115,7 @@ class DrainingServer(uvicorn.Server):
         manager: ModelManager = state.router
         state.draining = True
         manager.draining = True
-        llms = [s for s in manager.served_versions() if isinstance(s, LLMVersion)]
+        llms = llm_versions(manager)
         for served in llms:
             served.engine.draining = True
         logger.info(
