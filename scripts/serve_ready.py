@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from qiao.bench.serve import _WORDS
+from qiao.bench.common import WORDS
 from qiao.bench.shapes import SHAPES, write_shape_dir, write_word_tokenizer
 
 QIAO = Path(sys.executable).with_name("qiao")
@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_dir(args.shape, Path(tmp) / args.shape)
-        write_word_tokenizer(model_dir, list(_WORDS))
+        write_word_tokenizer(model_dir, list(WORDS))
         times = []
         for i in range(args.repeat):
             log = Path(tmp) / f"serve-{i}.log"

@@ -36,9 +36,9 @@ trap cleanup EXIT
 # The shape's config.json plus a word-level tokenizer over its whole vocabulary (see
 # write_word_tokenizer: the load generator's words first, then filler words).
 import sys
-from qiao.bench.serve import _WORDS
+from qiao.bench.common import WORDS
 from qiao.bench.shapes import write_shape_dir, write_word_tokenizer
-write_word_tokenizer(write_shape_dir(sys.argv[1], sys.argv[2]), list(_WORDS))
+write_word_tokenizer(write_shape_dir(sys.argv[1], sys.argv[2]), list(WORDS))
 EOF
 
 START=$(date +%s%N)

@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from qiao.entrypoints.llm import LLM
 
 
+# Benchmark texts are random words from this list: common English words, about one token each
+# for BPE and WordPiece vocabularies, so a length in words is roughly one in tokens.
+_WORD_TEXT = """
+time year people way day man thing woman life child world school state family student group
+country problem hand part place case week company system program question work government
+number night point home water room mother area money story fact month lot right study book eye
+job word business issue side kind head house service friend father power hour game line end
+member law car city community name president team minute idea kid body information back parent
+face others level office door health person art war history party result change morning reason
+research girl guy moment air teacher force
+"""
+WORDS = tuple(_WORD_TEXT.split())
+
+
 @dataclass(frozen=True)
 class LengthSpec:
     """A length: fixed ("128") or uniform over an inclusive range ("64:256")."""

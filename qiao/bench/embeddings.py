@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from qiao.bench.common import LengthSpec
+from qiao.bench.common import WORDS, LengthSpec
 from qiao.bench.embeddings_load import (
     LevelRecorder,
     LoadWorkers,
@@ -45,19 +45,6 @@ from qiao.bench.embeddings_load import (
 )
 from qiao.errors import ConfigError
 
-# Inputs are random words from this list: common English words, each a single token for
-# BERT-style WordPiece and most BPE vocabularies, so --input-len words ~ tokens.
-_WORD_TEXT = """
-river stone garden window table paper light water bread house field music letter market
-winter summer morning evening forest mountain island village road bridge train station
-ship harbor doctor teacher student family friend child mother father brother sister
-kitchen chair door wall floor roof street city country world history story picture color
-green blue red white black small large long short early late quick slow warm cold open
-close happy quiet simple strong young old new good great little first last next
-read write speak listen walk run sleep work play learn build carry bring find keep
-money price number hour minute week month year season answer question reason idea plan
-"""
-_WORDS = tuple(_WORD_TEXT.split())
 # Distinct request bodies built per run (cycled when a level sends more): enough variety for
 # servers that would notice repeats, little memory and build time.
 MAX_DISTINCT_BODIES = 512
@@ -168,7 +155,7 @@ def make_inputs(cfg: EmbeddingsBenchConfig) -> list[list[str]]:
     inputs = []
     for _ in range(num_bodies):
         lengths = cfg.input_len.sample(rng, cfg.inputs_per_request)
-        inputs.append([" ".join(rng.choices(_WORDS, k=n)) for n in lengths])
+        inputs.append([" ".join(rng.choices(WORDS, k=n)) for n in lengths])
     return inputs
 
 

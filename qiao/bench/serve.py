@@ -25,20 +25,8 @@ from typing import Any
 
 import httpx
 
-from qiao.bench.common import LengthSpec
+from qiao.bench.common import WORDS, LengthSpec
 from qiao.errors import ConfigError
-
-# Prompts are random words from this list; a word is roughly one token for most tokenizers.
-_WORD_TEXT = """
-time year people way day man thing woman life child world school state family student group
-country problem hand part place case week company system program question work government
-number night point home water room mother area money story fact month lot right study book eye
-job word business issue side kind head house service friend father power hour game line end
-member law car city community name president team minute idea kid body information back parent
-face others level office door health person art war history party result change morning reason
-research girl guy moment air teacher force
-"""
-_WORDS = _WORD_TEXT.split()
 
 
 @dataclass
@@ -85,7 +73,7 @@ def make_jobs(cfg: ServeConfig, rate: float, seed: int) -> list[Job]:
     jobs = []
     for arrival in _arrivals(cfg, rate, rng):
         num_words = cfg.input_len.sample(rng, 1)[0]
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(num_words))
+        prompt = " ".join(rng.choice(WORDS) for _ in range(num_words))
         jobs.append(Job(arrival, prompt, cfg.output_len.sample(rng, 1)[0]))
     return jobs
 
