@@ -1,0 +1,47 @@
+"""What makes a server start quickly: the lazily zeroed CPU KV pool and the tokenizer shortcut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from qiao.hal import platform
+from qiao.tokenizer import load_tokenizer
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "qiao" / "demo_model"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_zeros_are_zero_aligned_and_writable(dtype: torch.dtype) -> None:
+    shape = (2, 33, 16, 3, 64)
+    kv = platform.zeros(shape, dtype, torch.device("cpu"))
+    assert kv.shape == shape and kv.dtype == dtype and kv.is_contiguous()
+    assert kv.data_ptr() % 64 == 0
+    assert not kv.any()
+    kv[1, 32, 15] = 1.5
+    assert kv.sum().item() == 1.5 * 3 * 64
+
+
+def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("AutoTokenizer was used for a PreTrainedTokenizerFast checkpoint")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    tokenizer = load_tokenizer(DEMO_DIR)
+    text = "Good morrow! What news, my lord?"
+    assert tokenizer.encode(text) == expected.encode(text)
+    assert tokenizer.eos_token_id == expected.eos_token_id
+    assert tokenizer.chat_template == expected.chat_template
+
+
+def test_other_tokenizer_classes_still_go_through_auto_tokenizer(stories_dir: Path) -> None:
+    # stories260K names LlamaTokenizer: AutoTokenizer builds it, as before.
+    tokenizer = load_tokenizer(stories_dir)
+    expected = transformers.AutoTokenizer.from_pretrained(str(stories_dir), local_files_only=True)
+    assert type(tokenizer) is type(expected)
+    assert tokenizer.encode("Once upon a time") == expected.encode("Once upon a time")
