@@ -129,6 +129,16 @@ def test_llm_and_encoder_side_by_side(platform_server: tuple[SubprocessServer, i
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
         empty = http.post("/v1/embeddings", json={"model": "minilm", "input": []})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+        ids = http.post("/v1/embeddings", json={"model": "minilm", "input": [[101, 10**9, 102]]})
+        assert ids.status_code == 400 and ids.json()["error"]["param"] == "input"
+        assert "vocab" in ids.json()["error"]["message"]
+        # Token ids in range embed like the text they spell.
+        hello = http.post(
+            "/v1/embeddings", json={"model": "minilm", "input": [[101, 7592, 2088, 102]]}
+        )
+        assert hello.status_code == 200
+        head = hello.json()["data"][0]["embedding"][:5]
+        np.testing.assert_allclose(head, HELLO_WORLD_PREFIX, atol=1e-5, rtol=0)
         dims = http.post(
             "/v1/embeddings", json={"model": "minilm", "input": "hi", "dimensions": 12}
         )
