@@ -102,3 +102,65 @@ def test_fresh_prompt_detection(make_attn_metadata):
     assert fresh([(12, 12), (9, 9)]) is None  # two lengths
     assert fresh([(20, 12), (12, 12)]) is None  # earlier context (a cached prefix or a chunk)
     assert fresh([(12, 12), (3, 1), (12, 12)]) is None  # not adjacent
+
+
+def _kernel_reference(q, kv_cache, block_tables, query_lens, seq_lens, scale, window):
+    """Naive float64 attention of each sequence's new tokens over its context, read through
+    its block table: the oracle for calling the kernel directly."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    out, row = torch.zeros(q.shape, dtype=torch.float64), 0
+    for s, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        positions = torch.arange(seq_len)
+        blocks = block_tables[s, positions // block_size].long()
+        keys = kv_cache[0, blocks, positions % block_size].double()  # [L, Hkv, D]
+        values = kv_cache[1, blocks, positions % block_size].double()
+        for j in range(query_len):
+            pos = seq_len - query_len + j
+            visible = (positions <= pos) & (
+                positions > pos - window if window else torch.ones_like(positions, dtype=bool)
+            )
+            for h in range(q.shape[1]):
+                scores = keys[visible, h // group] @ q[row, h].double() * scale
+                out[row, h] = torch.softmax(scores, 0) @ values[visible, h // group]
+            row += 1
+    return out
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (32, 16), (64, 48)])
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_paged_attention_kernel_vector_path(dtype, tol, head_dim, block_size, window):
+    # Head and block sizes that take the AVX-512 path where there is one (and the scalar path
+    # elsewhere): decodes, multi-token chunks longer than a query tile, contexts that end
+    # mid-group, a NaN-filled cache outside the written slots, 3 query heads per kv head.
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, num_blocks = 6, 2, 40
+    shapes = [(1, 1), (17, 1), (100, 1), (45, 20), (33, 33), (64, 3)]  # (seq_len, query_len)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    free = torch.randperm(num_blocks).tolist()
+    max_blocks = max(-(-seq // block_size) for seq, _ in shapes)
+    tables = torch.zeros(len(shapes), max_blocks, dtype=torch.int32)
+    for s, (seq_len, _) in enumerate(shapes):
+        for b in range(-(-seq_len // block_size)):
+            tables[s, b] = free.pop()
+        positions = torch.arange(seq_len)
+        blocks = tables[s, positions // block_size].long()
+        kv_cache[:, blocks, positions % block_size] = torch.randn(
+            2, seq_len, num_kv_heads, head_dim
+        )
+    kv_cache = kv_cache.to(dtype)
+    query_lens = [q for _, q in shapes]
+    seq_lens = [s for s, _ in shapes]
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    qsl = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = ops.paged_attention(
+        q, kv_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), scale, window
+    )
+    expected = _kernel_reference(
+        q.float(), kv_cache.float(), tables, query_lens, seq_lens, scale, window
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

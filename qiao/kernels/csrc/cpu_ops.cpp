@@ -189,6 +189,225 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   });
 }
 
+#ifdef QIAO_AVX512
+// The vectorised form of the kernel above, for float32 / bfloat16 storage, head sizes that are
+// a multiple of 16 and block sizes that are a multiple of 16 (the defaults). The context is
+// walked 16 positions at a time, one position per lane: a query row's 16 scores come from 16
+// independent dot products (accumulators over head_dim) folded into one vector by `sum16`, so
+// the softmax (max, exp, sum) runs on whole vectors and P.V adds 16 V rows into accumulators
+// held in registers. Lanes outside the row's visible range (causal, window, past the context)
+// are masked to -inf before the softmax and their V rows are never read, so stale or NaN slots
+// cannot leak in. Same math as the scalar kernel; only the float32 summation order differs.
+
+// v[i] -> lane i of the result = sum of v[i]'s 16 lanes.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the partial sums of v[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// exp_nonpositive on 16 lanes; lanes below -87 (and -inf) give 0.
+inline __m512 exp_nonpositive_ps(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.f);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, floor), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T, int64_t D>
+void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                            const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                            const torch::Tensor& seq_lens, double scale, int64_t window) {
+  constexpr int64_t C = D / 16;  // vectors per head row
+  constexpr int64_t kLanes = 16;
+  constexpr int64_t kPrefetchAhead = 3;
+  const int64_t num_heads = q.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t row_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * row_stride;
+  const int64_t kv_plane = kv_cache.size(1) * block_stride;
+
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = kv_cache.data_ptr<T>();
+  const T* v_ptr = k_ptr + kv_plane;
+  T* out_ptr = out.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+
+  std::vector<std::pair<int32_t, int32_t>> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int32_t j = 0; j < qsl[s + 1] - qsl[s]; j += kQueryTile) tiles.emplace_back(s, j);
+  // A work item is a tile with a range of kv heads. With tiles enough to keep every thread
+  // busy, an item takes all kv heads, so it reads each 16-position K/V group as one contiguous
+  // run (positions are rows of all kv heads) that the hardware prefetcher streams; with few
+  // tiles (small batches) each kv head is its own item, to share the work out.
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t heads_per_item = num_tiles >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t splits = num_kv_heads / heads_per_item;
+  const int64_t row_floats = heads_per_item * D;  // floats of one position an item reads
+
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = kQueryTile * heads_per_item * group;  // (token, head) rows of an item
+    std::vector<float> qf(width * D), acc(width * D), m(width), l(width);
+    // 16 positions of K and V as float32 (filled for bfloat16 storage; float32 is read in place).
+    std::vector<float> kf(std::is_same_v<T, float> ? 0 : kLanes * row_floats);
+    std::vector<float> vf(kf.size());
+    volatile float sink = 0.f;  // keeps the touching loads
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [s, j0] = tiles[item / splits];
+      const int64_t g0 = (item % splits) * heads_per_item;  // first kv head of the item
+      const int64_t heads = heads_per_item * group;           // query heads of the item
+      const int64_t q_len = qsl[s + 1] - qsl[s];
+      const int64_t j1 = std::min<int64_t>(j0 + kQueryTile, q_len);
+      const int64_t first_pos = sl[s] - q_len;
+      const int64_t last_pos = first_pos + j1 - 1;
+      const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos + j0 - window + 1) : 0;
+      // Row r = (token j - j0) * heads + head offset within the item.
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* src = q_ptr + ((qsl[s] + j) * num_heads + g0 * group + h) * D;
+          float* dst = &qf[((j - j0) * heads + h) * D];
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * fscale;
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int32_t* table = bt + s * max_blocks;
+      for (int64_t start = lowest - lowest % kLanes; start <= last_pos; start += kLanes) {
+        const int64_t rows = std::min<int64_t>(kLanes, last_pos - start + 1);
+        const int64_t first_row =
+            table[start / block_size] * block_stride + (start % block_size) * row_stride + g0 * D;
+        // The block table scatters the context, so the hardware prefetcher cannot see the next
+        // group of positions coming: ask for it kPrefetchAhead groups early.
+        if (const int64_t ahead = start + kPrefetchAhead * kLanes; ahead <= last_pos) {
+          const int64_t next =
+              table[ahead / block_size] * block_stride + (ahead % block_size) * row_stride + g0 * D;
+          const int64_t next_rows = std::min<int64_t>(kLanes, last_pos - ahead + 1);
+          for (int64_t i = 0; i < next_rows; ++i) {
+            const char* kr = reinterpret_cast<const char*>(k_ptr + next + i * row_stride);
+            const char* vr = reinterpret_cast<const char*>(v_ptr + next + i * row_stride);
+            for (int64_t b = 0; b < row_floats * static_cast<int64_t>(sizeof(T)); b += 64) {
+              _mm_prefetch(kr + b, _MM_HINT_T1);
+              _mm_prefetch(vr + b, _MM_HINT_T1);
+            }
+          }
+        }
+        const float* krows;
+        const float* vrows;
+        int64_t kv_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          // Load every line of the group once, in address order, before the dot products read
+          // them head by head: one sequential pass that keeps many misses in flight (measured
+          // 1.5x faster than letting the compute order fetch them).
+          __m512 touch = _mm512_setzero_ps();
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < row_floats; c += 16)
+              touch = _mm512_or_ps(touch, _mm512_or_ps(_mm512_loadu_ps(k_ptr + first_row + i * row_stride + c),
+                                                       _mm512_loadu_ps(v_ptr + first_row + i * row_stride + c)));
+          sink = _mm512_reduce_max_ps(touch);
+          krows = k_ptr + first_row;
+          vrows = v_ptr + first_row;
+          kv_stride = row_stride;
+        } else {
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < row_floats; c += 16) {
+              _mm512_storeu_ps(&kf[i * row_floats + c], load16(k_ptr + first_row + i * row_stride + c));
+              _mm512_storeu_ps(&vf[i * row_floats + c], load16(v_ptr + first_row + i * row_stride + c));
+            }
+          for (int64_t i = rows; i < kLanes; ++i)  // past the context: masked below, never NaN
+            std::fill(kf.begin() + i * row_floats, kf.begin() + (i + 1) * row_floats, 0.f);
+          krows = kf.data();
+          vrows = vf.data();
+          kv_stride = row_floats;
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t pos = first_pos + j;
+          const int64_t lo = std::max<int64_t>(start, window > 0 ? pos - window + 1 : start) - start;
+          const int64_t hi = std::min<int64_t>(kLanes - 1, pos - start);
+          if (hi < lo) continue;
+          const __mmask16 visible = static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lo) - 1));
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t r = (j - j0) * heads + h;
+            const int64_t col = (h / group) * D;  // this head's kv head within a position's row
+            __m512 qv[C];
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(&qf[r * D + c * 16]);
+            __m512 dots[kLanes];
+#pragma GCC unroll 16
+            for (int64_t i = 0; i < kLanes; ++i) {
+              const float* kr = krows + i * kv_stride + col;
+              __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+#pragma GCC unroll 8
+              for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + c * 16), a);
+              dots[i] = a;
+            }
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), visible, sum16(dots));
+            const float bmax = std::max(m[r], _mm512_reduce_max_ps(scores));
+            const float correction = m[r] == neg_inf ? 0.f : exp_nonpositive(m[r] - bmax);
+            m[r] = bmax;
+            const __m512 probs = exp_nonpositive_ps(_mm512_sub_ps(scores, _mm512_set1_ps(bmax)));
+            l[r] = l[r] * correction + _mm512_reduce_add_ps(probs);
+            alignas(64) float p[kLanes];
+            _mm512_store_ps(p, probs);
+            __m512 a[C];
+            const __m512 corr = _mm512_set1_ps(correction);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[r * D + c * 16]), corr);
+            for (int64_t i = lo; i <= hi; ++i) {
+              const __m512 pi = _mm512_set1_ps(p[i]);
+              const float* vr = vrows + i * kv_stride + col;
+#pragma GCC unroll 8
+              for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vr + c * 16), a[c]);
+            }
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&acc[r * D + c * 16], a[c]);
+          }
+        }
+      }
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t r = (j - j0) * heads + h;
+          T* o = out_ptr + ((qsl[s] + j) * num_heads + g0 * group + h) * D;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   float ss = 0.f;
@@ -275,6 +494,29 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32);
   auto out = torch::empty_like(q);
+#ifdef QIAO_AVX512
+  if (kv_cache.size(2) % 16 == 0 &&
+      (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16)) {
+    bool done = false;
+    const auto run = [&](auto head_dim_c) {
+      constexpr int64_t D = decltype(head_dim_c)::value;
+      if (done || q.size(2) != D) return;
+      if (q.scalar_type() == torch::kFloat32)
+        paged_attention_avx512<float, D>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+      else
+        paged_attention_avx512<c10::BFloat16, D>(out, q, kv_cache, block_tables, query_start_loc, seq_lens,
+                                                 scale, window);
+      done = true;
+    };
+    run(std::integral_constant<int64_t, 64>{});
+    run(std::integral_constant<int64_t, 128>{});
+    run(std::integral_constant<int64_t, 32>{});
+    run(std::integral_constant<int64_t, 256>{});
+    run(std::integral_constant<int64_t, 96>{});
+    run(std::integral_constant<int64_t, 80>{});
+    if (done) return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](auto block_size_c, auto head_dim_c) {
       paged_attention_impl<scalar_t, decltype(block_size_c)::value, decltype(head_dim_c)::value>(
