@@ -109,7 +109,8 @@ def _hf_config(arch_name: str, bos_token_id: int, eos_token_id: int):
             mlp_bias=True,
         )
     if arch_name == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=24)
+        # head_dim 32 (as Qwen3): the vectorised CPU attention kernel, with its sliding window.
+        return transformers.MistralConfig(**common, sliding_window=24, head_dim=32)
     if arch_name == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch_name == "qwen3":

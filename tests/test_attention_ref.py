@@ -13,7 +13,6 @@ from qiao.errors import ConfigError
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8
-SCALE = HEAD_DIM**-0.5
 
 
 def naive_attention(
@@ -29,7 +28,8 @@ def naive_attention(
         for h in range(num_heads):
             kv_head = h // (num_heads // num_kv_heads)
             q = query[i, h].double()
-            scores = torch.stack([q @ key[j, kv_head].double() * SCALE for j in visible])
+            scale = query.shape[-1] ** -0.5
+            scores = torch.stack([q @ key[j, kv_head].double() * scale for j in visible])
             weights = torch.softmax(scores, dim=0)
             for weight, j in zip(weights, visible, strict=True):
                 out[i, h] += weight * value[j, kv_head].double()
@@ -46,34 +46,37 @@ class Batch:
         num_heads: int,
         num_kv_heads: int,
         num_blocks: int = 64,
+        block_size: int = BLOCK_SIZE,
+        head_dim: int = HEAD_DIM,
     ):
         generator = torch.Generator().manual_seed(0)
+        self.block_size, self.head_dim = block_size, head_dim
         free_blocks = list(range(num_blocks))
         random.Random(0).shuffle(free_blocks)
         self.shapes = shapes
         self.keys, self.values, self.queries, self.block_tables = [], [], [], []
         for seq_len, query_len in shapes:
-            kv_shape = (seq_len, num_kv_heads, HEAD_DIM)
+            kv_shape = (seq_len, num_kv_heads, head_dim)
             self.keys.append(torch.randn(kv_shape, generator=generator))
             self.values.append(torch.randn(kv_shape, generator=generator))
-            self.queries.append(torch.randn(query_len, num_heads, HEAD_DIM, generator=generator))
-            num_seq_blocks = -(-seq_len // BLOCK_SIZE)
+            self.queries.append(torch.randn(query_len, num_heads, head_dim, generator=generator))
+            num_seq_blocks = -(-seq_len // block_size)
             self.block_tables.append([free_blocks.pop() for _ in range(num_seq_blocks)])
-        shape = (2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.full(shape, float("nan"))
         for i, (seq_len, query_len) in enumerate(shapes):
             for position in range(seq_len - query_len):
                 self.write(i, position)
 
     def write(self, seq: int, position: int) -> None:
-        block = self.block_tables[seq][position // BLOCK_SIZE]
-        self.kv_cache[0, block, position % BLOCK_SIZE] = self.keys[seq][position]
-        self.kv_cache[1, block, position % BLOCK_SIZE] = self.values[seq][position]
+        block = self.block_tables[seq][position // self.block_size]
+        self.kv_cache[0, block, position % self.block_size] = self.keys[seq][position]
+        self.kv_cache[1, block, position % self.block_size] = self.values[seq][position]
 
     def run(self, window: int | None, backend: str = "torch") -> torch.Tensor:
         query_lens = [q for _, q in self.shapes]
         seq_lens = [s for s, _ in self.shapes]
-        metadata = build_attn_metadata(query_lens, seq_lens, self.block_tables, BLOCK_SIZE)
+        metadata = build_attn_metadata(query_lens, seq_lens, self.block_tables, self.block_size)
         new_keys = torch.cat([k[s - q :] for k, (s, q) in zip(self.keys, self.shapes, strict=True)])
         new_values = torch.cat(
             [v[s - q :] for v, (s, q) in zip(self.values, self.shapes, strict=True)]
@@ -84,7 +87,7 @@ class Batch:
             new_values,
             self.kv_cache,
             metadata,
-            scale=SCALE,
+            scale=self.head_dim**-0.5,
             num_kv_heads=new_keys.shape[1],
             sliding_window=window,
         )

