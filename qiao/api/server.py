@@ -81,7 +81,7 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
 def build_engine(settings: ServeSettings) -> AsyncEngine:
     config, num_threads = engine_config(settings)
     apply_num_threads(num_threads)
-    return AsyncEngine(LLMEngine(config), admission_limits(settings))
+    return AsyncEngine.build(lambda: LLMEngine(config), admission_limits(settings))
 
 
 def admission_limits(settings: ServeSettings) -> AdmissionLimits:

@@ -171,21 +171,64 @@ class AsyncEngine(EngineClient):
         self._stats: dict[str, Any] = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Set when the engine was built on its own thread (`build`): that thread waits for it.
+        self._go: threading.Event | None = None
         self._stopping = False
         self.draining = False
         self.error: BaseException | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
+    @classmethod
+    def build(
+        cls, factory: Callable[[], LLMEngine], limits: AdmissionLimits | None = None
+    ) -> AsyncEngine:
+        """Build the `LLMEngine` on the thread that will then run its steps, and return once it
+        is built (raising what building raised).
+
+        One thread for loading and stepping means one OpenMP thread team: torch's CPU kernels
+        keep a team of workers per calling thread, and libgomp cuts its workers' spin-waiting
+        short once a process has more of them than cores, so a second team (left by loading on
+        the main thread) made every step's parallel regions wait for sleeping workers to wake:
+        64-token serving steps took 190 ms instead of 130 ms on 2 cores.
+        """
+        built: list[AsyncEngine] = []
+        failed: list[BaseException] = []
+        ready, go = threading.Event(), threading.Event()
+
+        def main() -> None:
+            try:
+                built.append(cls(factory(), limits))
+            except BaseException as exc:  # handed to the caller, re-raised there
+                failed.append(exc)
+            ready.set()
+            if built:
+                go.wait()
+                built[0]._run()
+
+        thread = threading.Thread(target=main, name="qiao-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        engine = built[0]
+        engine._thread, engine._go = thread, go
+        return engine
+
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
+        if self._go is not None:  # built on its thread, which waits for this
+            self._go.set()
+            return
         self._thread = threading.Thread(target=self._run, name="qiao-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
+        if self._go is not None:
+            self._go.set()  # a built engine that never started: let its thread end
         if self._thread is not None:
             self._thread.join(timeout=30)
 

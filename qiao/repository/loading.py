@@ -60,4 +60,7 @@ class VersionBuilder:
         kwargs: dict[str, Any] = config.engine_kwargs()
         if config.llm is None or "seed" not in config.llm.model_fields_set:
             kwargs["seed"] = self.seed
-        return AsyncEngine(LLMEngine(EngineConfig.create(str(vdir.path), **kwargs)), self.limits)
+        path = str(vdir.path)
+        return AsyncEngine.build(
+            lambda: LLMEngine(EngineConfig.create(path, **kwargs)), self.limits
+        )
