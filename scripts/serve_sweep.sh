@@ -6,8 +6,9 @@
 #   scripts/serve_sweep.sh [OUTDIR]          (default docs/results)
 #
 # Environment knobs (defaults in brackets): SHAPE [smollm2-135m], RATES [0.5,0.75,1,1.25],
-# PROMPTS per rate [40], INPUT_LEN [128], OUTPUT_LEN [128], SERVE_ARGS (extra `qiao serve`
+# PROMPTS per rate [100], INPUT_LEN [128], OUTPUT_LEN [128], SERVE_ARGS (extra `qiao serve`
 # flags) [--max-num-batched-tokens 64: a prompt chunk per step small enough that p99 ITL stays low], PORT [8731].
+# Requests sample greedily (--temperature 0), as the offline `qiao bench throughput` does.
 # The shape has no tokenizer of its own; the script writes a word-level one (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUTDIR=${1:-docs/results}
 SHAPE=${SHAPE:-smollm2-135m}
 RATES=${RATES:-0.5,0.75,1,1.25}
-PROMPTS=${PROMPTS:-40}
+PROMPTS=${PROMPTS:-100}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 SERVE_ARGS=${SERVE_ARGS:---max-num-batched-tokens 64}
@@ -62,5 +63,5 @@ echo "server ready after ${READY} ms (process start to /health/ready answering 2
 
 .venv/bin/qiao bench serve --base-url "http://127.0.0.1:$PORT" --request-rates "$RATES" \
     --num-prompts "$PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --slo-ttft 2.0 --slo-itl 0.25 \
+    --temperature 0 --slo-ttft 2.0 --slo-itl 0.25 \
     --json "$OUTDIR/serve_$SHAPE.json" --plot "$OUTDIR/serve_$SHAPE.png"

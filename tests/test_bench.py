@@ -121,6 +121,16 @@ def test_length_spec_and_poisson_jobs() -> None:
     assert 50 < len(timed) < 150 and timed[-1].arrival < 2.0
 
 
+def test_serve_request_body_sends_temperature_only_when_set() -> None:
+    from qiao.bench.serve import _request_body
+
+    job = make_jobs(ServeConfig(base_url="http://x", num_prompts=1), rate=1.0, seed=0)[0]
+    url, body = _request_body(ServeConfig(base_url="http://x"), "m", job)
+    assert url == "http://x/v1/completions" and "temperature" not in body
+    _, body = _request_body(ServeConfig(base_url="http://x", temperature=0.0), "m", job)
+    assert body["temperature"] == 0.0 and body["ignore_eos"] is True
+
+
 def test_help_documents_every_flag() -> None:
     bench = argparse.ArgumentParser(prog="qiao bench")
     add_bench_subcommands(bench)

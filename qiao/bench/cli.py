@@ -437,6 +437,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-concurrency", type=_positive, default=None, help="cap on requests in flight"
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature sent with every request (default: none sent, the server's "
+        "default); 0 samples greedily, as `qiao bench throughput` does",
+    )
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s")
     p.add_argument("--slo-itl", type=float, default=0.25, help="goodput SLO on mean ITL, s")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
@@ -464,6 +471,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         request_timeout=args.request_timeout,
         max_concurrency=args.max_concurrency,
+        temperature=args.temperature,
         slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl,
         seed=args.seed,

@@ -42,6 +42,8 @@ class ServeConfig:
     api_key: str | None = None
     request_timeout: float = 120.0
     max_concurrency: int | None = None
+    # Sent with every request; None sends none (the server's default sampling).
+    temperature: float | None = None
     slo_ttft: float = 2.0
     slo_itl: float = 0.25
     seed: int = 0
@@ -116,6 +118,8 @@ def _request_body(cfg: ServeConfig, model: str, job: Job) -> tuple[str, dict[str
         # Not OpenAI's, but qiao, vLLM and llama.cpp's server honour it: fixed output lengths.
         "ignore_eos": True,
     }
+    if cfg.temperature is not None:
+        body["temperature"] = cfg.temperature
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": job.prompt}]
         return f"{cfg.base_url}/v1/chat/completions", body
