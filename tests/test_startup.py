@@ -25,6 +25,28 @@ def test_cpu_zeros_are_zero_aligned_and_writable(dtype: torch.dtype) -> None:
     assert kv.sum().item() == 1.5 * 3 * 64
 
 
+def test_cpu_zeros_keep_their_memory_alive_and_take_pages_on_first_touch() -> None:
+    import gc
+    import os
+
+    assert platform.zeros((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc here to read the resident size from")
+    before = rss()
+    pool = platform.zeros((2**28,), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert rss() - before < 2**27  # untouched: not resident
+    view = pool[-4:]
+    del pool
+    gc.collect()
+    view.fill_(2.0)  # the mapping outlives the tensor it was made for
+    assert view.sum().item() == 8.0
+
+
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
 
