@@ -49,6 +49,8 @@ class CpuPagedBackend(AttentionBackend):
         if ops is None:
             raise RuntimeError("the C++ CPU kernels are not available")
         self.ops = ops
+        # attention_vectorized by (dtype, block size, head size): asked once, not per layer.
+        self._vectorized: dict[tuple[torch.dtype, int, int], bool] = {}
 
     def forward(
         self,
@@ -63,7 +65,10 @@ class CpuPagedBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
-        if self.ops.attention_vectorized(kv_cache):
+        layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
+        if layout not in self._vectorized:
+            self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
+        if self._vectorized[layout]:
             return self.ops.paged_attention(
                 query.to(kv_cache.dtype).contiguous(),
                 kv_cache,

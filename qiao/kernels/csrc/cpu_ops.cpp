@@ -52,6 +52,56 @@ inline T from_f(float v) { return static_cast<T>(v); }
 
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share each K/V block
 
+// (sequence, first query index of a tile of up to kQueryTile query tokens), over every sequence.
+// E.g. query lens [1, 20] -> [(0,0), (1,0), (1,16)]
+inline std::vector<std::pair<int32_t, int32_t>> query_tiles(const int32_t* qsl, int64_t num_seqs) {
+  std::vector<std::pair<int32_t, int32_t>> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int32_t j = 0; j < qsl[s + 1] - qsl[s]; j += kQueryTile) tiles.emplace_back(s, j);
+  return tiles;
+}
+
+// One tile's query tokens [j0, j1) of sequence s and the context positions they see.
+struct TileSpan {
+  int64_t j0, j1;
+  int64_t first_pos;  // position of the sequence's first new token
+  int64_t last_pos;   // position of the tile's last token
+  int64_t lowest;     // first position any of the tile's tokens sees (sliding window)
+};
+
+inline TileSpan tile_span(int64_t s, int64_t j0, const int32_t* qsl, const int32_t* sl, int64_t window) {
+  const int64_t q_len = qsl[s + 1] - qsl[s];
+  const int64_t j1 = std::min<int64_t>(j0 + kQueryTile, q_len);
+  const int64_t first_pos = sl[s] - q_len;
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos + j0 - window + 1) : 0;
+  return {j0, j1, first_pos, first_pos + j1 - 1, lowest};
+}
+
+// qf row (j - j0) * heads + h = scale * q[token qsl[s] + j, head h0 + h], as float32.
+template <typename T>
+void load_queries(float* qf, const T* q_ptr, const int32_t* qsl, int64_t s, const TileSpan& t,
+                  int64_t num_heads, int64_t h0, int64_t heads, int64_t head_dim, float scale) {
+  for (int64_t j = t.j0; j < t.j1; ++j)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = q_ptr + ((qsl[s] + j) * num_heads + h0 + h) * head_dim;
+      float* dst = qf + ((j - t.j0) * heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(src[d]) * scale;
+    }
+}
+
+// out[token, head] = acc row / l row, for the rows load_queries laid out.
+template <typename T>
+void write_outputs(T* out_ptr, const float* acc, const float* l, const int32_t* qsl, int64_t s,
+                   const TileSpan& t, int64_t num_heads, int64_t h0, int64_t heads, int64_t head_dim) {
+  for (int64_t j = t.j0; j < t.j1; ++j)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r = (j - t.j0) * heads + h;
+      T* o = out_ptr + ((qsl[s] + j) * num_heads + h0 + h) * head_dim;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = from_f<T>(acc[r * head_dim + d] * inv);
+    }
+}
+
 // out[t, h, :] = softmax(q[t, h] . K[ctx]) V[ctx] for every new token t over its sequence's
 // context, read block by block from the paged cache (no padded copy of the context).
 //
@@ -89,10 +139,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
 
-  // (sequence, first query index of the tile). E.g. query lens [1, 20] -> [(0,0), (1,0), (1,16)]
-  std::vector<std::pair<int32_t, int32_t>> tiles;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int32_t j = 0; j < qsl[s + 1] - qsl[s]; j += kQueryTile) tiles.emplace_back(s, j);
+  const auto tiles = query_tiles(qsl, num_seqs);
 
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -101,19 +148,11 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
     std::vector<float> qf(width * head_dim), acc(width * head_dim), m(width), l(width);
     std::vector<float> kf(block_size * head_dim), vf(block_size * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const auto [s, j0] = tiles[item / num_kv_heads];
+      const int64_t s = tiles[item / num_kv_heads].first;
       const int64_t g = item % num_kv_heads;
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t j1 = std::min<int64_t>(j0 + kQueryTile, q_len);
-      const int64_t first_pos = sl[s] - q_len;  // position of the sequence's first new token
-      const int64_t last_pos = first_pos + j1 - 1;
-      const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos + j0 - window + 1) : 0;
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t h = 0; h < group; ++h) {
-          const T* src = q_ptr + ((qsl[s] + j) * num_heads + g * group + h) * head_dim;
-          float* dst = &qf[((j - j0) * group + h) * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(src[d]) * fscale;
-        }
+      const TileSpan span = tile_span(s, tiles[item / num_kv_heads].second, qsl, sl, window);
+      const auto [j0, j1, first_pos, last_pos, lowest] = span;
+      load_queries(qf.data(), q_ptr, qsl, s, span, num_heads, g * group, group, head_dim, fscale);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
@@ -178,13 +217,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
           }
         }
       }
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t h = 0; h < group; ++h) {
-          const int64_t r = (j - j0) * group + h;
-          T* o = out_ptr + ((qsl[s] + j) * num_heads + g * group + h) * head_dim;
-          const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = from_f<T>(acc[r * head_dim + d] * inv);
-        }
+      write_outputs(out_ptr, acc.data(), l.data(), qsl, s, span, num_heads, g * group, group, head_dim);
     }
   });
 }
@@ -264,9 +297,7 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
 
-  std::vector<std::pair<int32_t, int32_t>> tiles;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int32_t j = 0; j < qsl[s + 1] - qsl[s]; j += kQueryTile) tiles.emplace_back(s, j);
+  const auto tiles = query_tiles(qsl, num_seqs);
   // A work item is a tile with a range of kv heads. With tiles enough to keep every thread
   // busy, an item takes all kv heads, so it reads each 16-position K/V group as one contiguous
   // run (positions are rows of all kv heads) that the hardware prefetcher streams; with few
@@ -286,21 +317,13 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
     std::vector<float> vf(kf.size());
     volatile float sink = 0.f;  // keeps the touching loads
     for (int64_t item = begin; item < end; ++item) {
-      const auto [s, j0] = tiles[item / splits];
+      const int64_t s = tiles[item / splits].first;
       const int64_t g0 = (item % splits) * heads_per_item;  // first kv head of the item
       const int64_t heads = heads_per_item * group;           // query heads of the item
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t j1 = std::min<int64_t>(j0 + kQueryTile, q_len);
-      const int64_t first_pos = sl[s] - q_len;
-      const int64_t last_pos = first_pos + j1 - 1;
-      const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos + j0 - window + 1) : 0;
+      const TileSpan span = tile_span(s, tiles[item / splits].second, qsl, sl, window);
+      const auto [j0, j1, first_pos, last_pos, lowest] = span;
       // Row r = (token j - j0) * heads + head offset within the item.
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t h = 0; h < heads; ++h) {
-          const T* src = q_ptr + ((qsl[s] + j) * num_heads + g0 * group + h) * D;
-          float* dst = &qf[((j - j0) * heads + h) * D];
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * fscale;
-        }
+      load_queries(qf.data(), q_ptr, qsl, s, span, num_heads, g0 * group, heads, D, fscale);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
@@ -396,13 +419,7 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
           }
         }
       }
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t r = (j - j0) * heads + h;
-          T* o = out_ptr + ((qsl[s] + j) * num_heads + g0 * group + h) * D;
-          const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[r * D + d] * inv);
-        }
+      write_outputs(out_ptr, acc.data(), l.data(), qsl, s, span, num_heads, g0 * group, heads, D);
     }
   });
 }
