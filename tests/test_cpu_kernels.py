@@ -73,6 +73,30 @@ def test_rotary_in_place(dtype, tol):
     torch.testing.assert_close(q, expected, atol=tol, rtol=tol)
 
 
+
+@needs_ops
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(cache_dtype):
+    from qiao.attention.backends.torch_ref import write_kv
+
+    # k and v as the model passes them: strided views of one fused qkv output.
+    qkv = torch.randn(9, (4 + 2 + 2) * 16)
+    k = qkv[:, 64:96].view(9, 2, 16)
+    v = qkv[:, 96:].view(9, 2, 16)
+    slots = torch.tensor([0, 5, 17, 31, 2, 40, 63, 8, 33])
+    expected = torch.zeros(2, 4, 16, 2, 16, dtype=cache_dtype)
+    write_kv(expected, k, v, slots)
+    cache = torch.zeros_like(expected)
+    ops.write_kv(cache, k, v, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+    # A negative slot (a padding row) is skipped; a slot past the cache is an error, not a write.
+    before = cache.clone()
+    ops.write_kv(cache, k[:1] + 1, v[:1] + 1, torch.tensor([-1]))
+    torch.testing.assert_close(cache, before, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.write_kv(cache, k[:1], v[:1], torch.tensor([64]))
+
+
 @needs_ops
 @pytest.mark.parametrize("shapes", [MIXED, [(12, 12), (12, 12), (30, 1)], [(40, 1), (17, 1)]])
 @pytest.mark.parametrize("window", [None, 5, 20])

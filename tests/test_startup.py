@@ -47,6 +47,24 @@ def test_cpu_zeros_keep_their_memory_alive_and_take_pages_on_first_touch() -> No
     assert view.sum().item() == 8.0
 
 
+def test_cpu_zeros_can_take_transparent_huge_pages() -> None:
+    import os
+    import re
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text() or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("transparent huge pages are off (or unreadable) on this host")
+    pool = platform.zeros((2**22,), torch.float32, torch.device("cpu"))  # 16 MiB
+    start = pool.data_ptr()
+    # The mapping holding the pool must be eligible: a shared anonymous mapping (shmem) is
+    # not where the host's shmem_enabled is "never", and every first touch costs a 4 KiB fault.
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
+        if lo <= start < hi:
+            assert "THPeligible:           1" in block, block
+            return
+    pytest.fail("the pool's mapping is not in /proc/self/smaps")
+
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
 

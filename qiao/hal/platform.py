@@ -117,7 +117,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes)  # page-aligned, zero pages on first touch
+    # Private: a shared anonymous mapping is shmem, which takes huge pages only where the
+    # host's shmem_enabled allows (often "never"); a private one follows the madvise below.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         # Without transparent huge pages here: 4 KiB pages, same contents.
         with contextlib.suppress(OSError):

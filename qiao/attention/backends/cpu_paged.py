@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qiao.attention.backends.base import AttentionBackend
-from qiao.attention.backends.torch_ref import Group, attend_group, plan_group, write_kv
+from qiao.attention.backends.torch_ref import Group, attend_group, plan_group
 from qiao.attention.metadata import AttentionMetadata
 from qiao.kernels import cpu_ops
 
@@ -64,7 +64,7 @@ class CpuPagedBackend(AttentionBackend):
         num_kv_heads: int,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.ops.write_kv(kv_cache, key, value, metadata.slot_mapping)
         layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
         if layout not in self._vectorized:
             self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)

@@ -627,6 +627,60 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 
+// Store the step's new K and V rows into their cache slots: key, value [T, Hkv, D] (rows may be
+// strided views of the fused qkv output; each row's Hkv * D values contiguous), kv_cache
+// [2, num_blocks, block_size, Hkv, D] contiguous, slot_mapping [T] int64 (a negative slot is
+// skipped). Converts to the cache's dtype on the way. One pass over the rows, no index tensors.
+void write_kv(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "write_kv: kv_cache must be [2, blocks, block_size, Hkv, D] contiguous");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
+              "write_kv: key and value must be [T, Hkv, D] of one shape");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "write_kv: key and value dtypes differ");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kInt64 &&
+              slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
+              "write_kv: slot_mapping must be [T] int64");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(kv_cache.size(3) == heads && kv_cache.size(4) == dim, "write_kv: head shape differs from the cache's");
+  for (const auto& t : {key, value}) {
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == dim, "write_kv: each row's heads must be contiguous");
+  }
+  const int64_t row = heads * dim;
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " past the cache's ", num_slots);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "write_kv", [&] {
+    using cache_t = scalar_t;
+    cache_t* k_cache = kv_cache.data_ptr<cache_t>();
+    cache_t* v_cache = k_cache + num_slots * row;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_src", [&] {
+      const scalar_t* kp = key.data_ptr<scalar_t>();
+      const scalar_t* vp = value.data_ptr<scalar_t>();
+      const int64_t ks = key.stride(0), vs = value.stride(0);
+      // Parallel only when there is enough to copy: a decode step's few KiB are faster alone.
+      at::parallel_for(0, tokens, 256, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          if (slots[t] < 0) continue;
+          cache_t* kd = k_cache + slots[t] * row;
+          cache_t* vd = v_cache + slots[t] * row;
+          const scalar_t* ksrc = kp + t * ks;
+          const scalar_t* vsrc = vp + t * vs;
+          if constexpr (std::is_same_v<cache_t, scalar_t>) {
+            std::memcpy(kd, ksrc, row * sizeof(cache_t));
+            std::memcpy(vd, vsrc, row * sizeof(cache_t));
+          } else {
+            for (int64_t i = 0; i < row; ++i) kd[i] = static_cast<cache_t>(static_cast<float>(ksrc[i]));
+            for (int64_t i = 0; i < row; ++i) vd[i] = static_cast<cache_t>(static_cast<float>(vsrc[i]));
+          }
+        }
+      });
+    });
+  });
+}
+
+
 // x [M, K] float32, w [N, K] int8, scale [N] float32, bias [N] float32 or empty -> [M, N] float32.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32);
@@ -662,6 +716,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of new tokens over the paged KV cache");
   m.def("attention_vectorized", &attention_vectorized,
         "whether paged_attention runs its AVX-512 path for this KV cache");
+  m.def("write_kv", &write_kv, "store new K/V rows into their paged-cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate_half layout)");
