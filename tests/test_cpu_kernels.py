@@ -73,7 +73,6 @@ def test_rotary_in_place(dtype, tol):
     torch.testing.assert_close(q, expected, atol=tol, rtol=tol)
 
 
-
 @needs_ops
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_copy(cache_dtype):

@@ -65,6 +65,7 @@ def test_cpu_zeros_can_take_transparent_huge_pages() -> None:
             return
     pytest.fail("the pool's mapping is not in /proc/self/smaps")
 
+
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
 
