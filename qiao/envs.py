@@ -32,3 +32,9 @@ def profile_dir() -> Path:
 def disable_onednn_linear() -> bool:
     """QIAO_DISABLE_ONEDNN_LINEAR=1: CPU linear layers use F.linear on the plain weight."""
     return os.environ.get("QIAO_DISABLE_ONEDNN_LINEAR", "0") not in ("", "0", "false")
+
+
+def kv_prefault() -> bool:
+    """QIAO_KV_PREFAULT=0: leave the CPU KV pool to fault in on first use, instead of faulting
+    it in on an idle-priority thread after start (the pool's memory is then resident at once)."""
+    return os.environ.get("QIAO_KV_PREFAULT", "1") not in ("", "0", "false")

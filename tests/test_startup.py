@@ -66,6 +66,69 @@ def test_cpu_zeros_can_take_transparent_huge_pages() -> None:
     pytest.fail("the pool's mapping is not in /proc/self/smaps")
 
 
+def _resident_bytes(address: int) -> int:
+    import re
+
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
+        if lo <= address < hi:
+            return int(re.search(r"^Rss:\s+(\d+) kB", block, re.M).group(1)) * 1024
+    raise AssertionError("address not mapped")
+
+
+def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:
+    import os
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc here to read the resident size from")
+    from qiao.runner.model_runner import _prefault_order
+
+    # Two layers' pools of 64 blocks x 16 tokens x 2 heads x 64 float32 (8 KiB a block).
+    caches = [platform.zeros((2, 64, 16, 2, 64), torch.float32, torch.device("cpu")) for _ in "ab"]
+    order = _prefault_order(caches)
+    block = 8192
+    # Block order first, then layer, then K before V: every layer's first blocks come first.
+    assert order[:4] == [(0, 0, 64 * block), (0, 64 * block, 64 * block)] + [
+        (1, 0, 64 * block),
+        (1, 64 * block, 64 * block),
+    ]
+    covered = sum(length for _, _, length in order)
+    assert covered == 2 * caches[0].numel() * 4
+    before = [_resident_bytes(c.data_ptr()) for c in caches]
+    thread = platform.prefault_in_background(caches, order)
+    if thread is None:
+        pytest.skip("no background prefault on this platform")
+    thread.join(timeout=30)
+    after = [_resident_bytes(c.data_ptr()) for c in caches]
+    if after == before:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert all(a >= c.numel() * 4 for a, c in zip(after, caches, strict=True))
+    assert not caches[0].any()  # faulted in, not written
+
+
+def test_prefault_stops_when_the_pool_is_freed() -> None:
+    from collections.abc import Sequence
+
+    class Endless(Sequence[tuple[int, int, int]]):
+        """A billion 4 KiB ranges over the pool's first 64 MiB: hours of work if never stopped."""
+
+        def __len__(self) -> int:
+            return 10**9
+
+        def __getitem__(self, i):  # type: ignore[override]
+            if i >= len(self):
+                raise IndexError(i)
+            return (0, (i % 2**14) * 4096, 4096)
+
+    pool = platform.zeros((2**24,), torch.float32, torch.device("cpu"))  # 64 MiB
+    thread = platform.prefault_in_background([pool], Endless())
+    if thread is None:
+        pytest.skip("no background prefault on this platform")
+    del pool
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
 

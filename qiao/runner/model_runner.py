@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import torch
 
+from qiao import envs
 from qiao.attention.metadata import AttentionMetadata
 from qiao.config import (
     DEFAULT_CPU_KV_CAP_BYTES,
@@ -117,6 +118,8 @@ class ModelRunner:
         ]
         self.block_size = block_size
         self.model.bind_kv_caches(self.kv_caches)
+        if self.device.type == "cpu" and envs.kv_prefault():
+            platform.prefault_in_background(self.kv_caches, _prefault_order(self.kv_caches))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,
@@ -234,3 +237,21 @@ class ModelRunner:
             k = r.params.logprobs
             out.logprobs.append(None if k is None else (row_ids[: 1 + k], row_values[: 1 + k]))
         return out
+
+
+def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(cache index, byte offset, byte length) of every layer's K and V, ~2 MiB of blocks at a
+    time in block order: the order the block manager hands fresh blocks out in."""
+    _, num_blocks, *_ = caches[0].shape
+    block_bytes = caches[0][0, 0].numel() * caches[0].element_size()
+    step = max(1, (2 << 20) // block_bytes)
+    return [
+        (
+            index,
+            (kv * num_blocks + first) * block_bytes,
+            min(step, num_blocks - first) * block_bytes,
+        )
+        for first in range(0, num_blocks, step)
+        for index in range(len(caches))
+        for kv in (0, 1)
+    ]
