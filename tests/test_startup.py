@@ -149,3 +149,14 @@ def test_other_tokenizer_classes_still_go_through_auto_tokenizer(stories_dir: Pa
     expected = transformers.AutoTokenizer.from_pretrained(str(stories_dir), local_files_only=True)
     assert type(tokenizer) is type(expected)
     assert tokenizer.encode("Once upon a time") == expected.encode("Once upon a time")
+
+
+def test_runner_faults_the_pool_in_from_its_first_step(tiny_checkpoint) -> None:
+    from qiao.entrypoints.llm import LLM
+    from qiao.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64, device="cpu")
+    runner = llm.engine.runner
+    assert runner._prefault_pending  # not during start-up
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not runner._prefault_pending

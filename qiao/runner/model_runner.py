@@ -68,6 +68,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self._prefault_pending = False  # set by init_kv_cache on the CPU
         self.block_size = 16
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -118,8 +119,9 @@ class ModelRunner:
         ]
         self.block_size = block_size
         self.model.bind_kv_caches(self.kv_caches)
-        if self.device.type == "cpu" and envs.kv_prefault():
-            platform.prefault_in_background(self.kv_caches, _prefault_order(self.kv_caches))
+        # Started by the first step, not here: faulting in beside start-up slowed it (~0.4 s
+        # of 5 on 2 cores), and a server is ready before its first request anyway.
+        self._prefault_pending = self.device.type == "cpu" and envs.kv_prefault()
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,
@@ -150,6 +152,9 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
+        if self._prefault_pending:
+            self._prefault_pending = False
+            platform.prefault_in_background(self.kv_caches, _prefault_order(self.kv_caches))
         hidden = None
         if self.decode_graphs is not None:
             # Row i is sequence i's one token, or None: not pure decode, or no bucket fits.
