@@ -47,33 +47,36 @@ def test_cpu_zeros_keep_their_memory_alive_and_take_pages_on_first_touch() -> No
     assert view.sum().item() == 8.0
 
 
-def test_cpu_zeros_can_take_transparent_huge_pages() -> None:
-    import os
-    import re
-
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text() or not os.path.exists("/proc/self/smaps"):
-        pytest.skip("transparent huge pages are off (or unreadable) on this host")
-    pool = platform.zeros((2**22,), torch.float32, torch.device("cpu"))  # 16 MiB
-    start = pool.data_ptr()
-    # The mapping holding the pool must be eligible: a shared anonymous mapping (shmem) is
-    # not where the host's shmem_enabled is "never", and every first touch costs a 4 KiB fault.
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
-        lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
-        if lo <= start < hi:
-            assert "THPeligible:           1" in block, block
-            return
-    pytest.fail("the pool's mapping is not in /proc/self/smaps")
-
-
-def _resident_bytes(address: int) -> int:
+def _smaps_entry(address: int) -> str:
+    """The /proc/self/smaps entry of the mapping holding `address`."""
     import re
 
     for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
         lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
         if lo <= address < hi:
-            return int(re.search(r"^Rss:\s+(\d+) kB", block, re.M).group(1)) * 1024
-    raise AssertionError("address not mapped")
+            return block
+    raise AssertionError(f"{address:#x} is not in /proc/self/smaps")
+
+
+def _resident_bytes(address: int) -> int:
+    import re
+
+    rss = re.search(r"^Rss:\s+(\d+) kB", _smaps_entry(address), re.M)
+    assert rss is not None
+    return int(rss.group(1)) * 1024
+
+
+def test_cpu_zeros_can_take_transparent_huge_pages() -> None:
+    import os
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text() or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("transparent huge pages are off (or unreadable) on this host")
+    pool = platform.zeros((2**22,), torch.float32, torch.device("cpu"))  # 16 MiB
+    # The mapping holding the pool must be eligible: a shared anonymous mapping (shmem) is
+    # not where the host's shmem_enabled is "never", and every first touch costs a 4 KiB fault.
+    block = _smaps_entry(pool.data_ptr())
+    assert "THPeligible:           1" in block, block
 
 
 def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:

@@ -153,8 +153,9 @@ def prefault_in_background(
     order the memory will be used in). On a VM whose host backs guest memory lazily, a fresh
     2 MiB page faults in ~5 ms, and a KV pool's K and V of every layer reach a new huge page in
     the same step: one step in ~40 stalls for ~0.3 s, which is a serving p99 latency. The
-    thread holds the tensors weakly and stops once one is freed. Returns it, or None on a host
-    without MADV_POPULATE_WRITE (it then stops at the first range) or off Linux.
+    thread holds the tensors weakly and stops once one is freed, or at the first range the
+    kernel refuses (no MADV_POPULATE_WRITE before Linux 5.14). Returns the thread; None off
+    Linux.
     """
     if not tensors or _host.system() != "Linux":
         return None
