@@ -68,8 +68,17 @@ class CacheConfig:
     kv_cache_memory: float | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # The cache's storage dtype; "auto": the model's. "bfloat16" under a float32 model halves the
+    # bytes attention reads per context token (and doubles the tokens a pool holds); attention
+    # still computes in float32.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"
         )
@@ -125,6 +134,7 @@ class EngineConfig:
         block_size: int = 16,
         kv_cache_memory: float | None = None,
         num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         device: str = "auto",
@@ -149,6 +159,7 @@ class EngineConfig:
                 kv_cache_memory=kv_cache_memory,
                 num_kv_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -48,8 +48,10 @@ class Batch:
         num_blocks: int = 64,
         block_size: int = BLOCK_SIZE,
         head_dim: int = HEAD_DIM,
+        cache_dtype: torch.dtype = torch.float32,
     ):
         generator = torch.Generator().manual_seed(0)
+        self.cache_dtype = cache_dtype
         self.block_size, self.head_dim = block_size, head_dim
         free_blocks = list(range(num_blocks))
         random.Random(0).shuffle(free_blocks)
@@ -67,6 +69,7 @@ class Batch:
         for i, (seq_len, query_len) in enumerate(shapes):
             for position in range(seq_len - query_len):
                 self.write(i, position)
+        self.kv_cache = self.kv_cache.to(cache_dtype)
 
     def write(self, seq: int, position: int) -> None:
         block = self.block_tables[seq][position // self.block_size]
@@ -93,9 +96,14 @@ class Batch:
         )
 
     def expected(self, window: int | None) -> torch.Tensor:
+        """The oracle over K/V as the cache stores them (rounded to its dtype)."""
+
+        def stored(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.cache_dtype).float()
+
         return torch.cat(
             [
-                naive_attention(q, k, v, window)
+                naive_attention(q, stored(k), stored(v), window)
                 for q, k, v in zip(self.queries, self.keys, self.values, strict=True)
             ]
         )

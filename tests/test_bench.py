@@ -185,7 +185,9 @@ def test_throughput_with_hf_comparison(tmp_path: Path) -> None:
 def test_latency_with_hf_comparison(tmp_path: Path) -> None:
     argv = ["bench", "latency", "--shape", "tiny", "--input-len", "16", "--batch-size", "3"]
     argv += ["--decode-steps", "3", "--repeat", "1", "--quick-bandwidth", "--compare", "hf"]
+    argv += ["--kv-cache-dtype", "bfloat16"]
     report = _run_cli(argv, tmp_path / "l.json")
+    assert report["config"]["kv_cache_dtype"] == "bfloat16"
     for key in (
         "prefill_s_batch_1",
         "prefill_s_batch_n",

@@ -23,7 +23,7 @@ def test_kernels_build_where_a_compiler_exists():
     assert ops is not None, "qiao/kernels failed to build; run with logging to see the error"
 
 
-DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
 
 
 @needs_ops
@@ -109,13 +109,31 @@ def test_vectorized_backend_runs_every_row_through_the_kernel(shapes, window):
     torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)
 
 
+@needs_ops
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (8, 4)])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_16_bit_cache_under_float32_queries(cache_dtype, head_dim, block_size, backend):
+    # A 16-bit KV cache with float32 weights: the output stays float32, against the
+    # oracle over the K/V the cache holds. Head size 64 / block 16 reads every row through the
+    # AVX-512 kernel in float32 (exact to float32); head size 8 / block 4 takes the scalar kernel
+    # for decodes (it computes in the cache's dtype) and SDPA for prompts (over the step's own
+    # float32 K/V), so a 16-bit tolerance.
+    batch = Batch(MIXED, 6, 2, block_size=block_size, head_dim=head_dim, cache_dtype=cache_dtype)
+    exact = backend == "torch" or ops.attention_vectorized(batch.kv_cache)
+    out = batch.run(None, backend)
+    assert out.dtype == torch.float32 and batch.kv_cache.dtype == cache_dtype
+    tol = 2e-5 if exact else 2e-2
+    torch.testing.assert_close(out.double(), batch.expected(None), atol=tol, rtol=tol)
+
+
 def test_attention_vectorized_names_the_supported_caches():
     if ops is None or not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 64)):
         pytest.skip("no AVX-512 kernel on this CPU")
     assert ops.attention_vectorized(torch.zeros(2, 1, 32, 2, 128, dtype=torch.bfloat16))
     assert not ops.attention_vectorized(torch.zeros(2, 1, 8, 1, 64))  # block size
     assert not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 8))  # head size
-    assert not ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 64, dtype=torch.float16))
+    assert ops.attention_vectorized(torch.zeros(2, 1, 16, 1, 64, dtype=torch.float16))
 
 
 FRESH = [(9, 1), (12, 12), (12, 12), (12, 12), (30, 1)]
@@ -172,14 +190,10 @@ def _kernel_reference(q, kv_cache, block_tables, query_lens, seq_lens, scale, wi
     return out
 
 
-@needs_ops
-@pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (32, 16), (64, 48)])
-@pytest.mark.parametrize("window", [0, 7, 40])
-def test_paged_attention_kernel_vector_path(dtype, tol, head_dim, block_size, window):
-    # Head and block sizes that take the AVX-512 path where there is one (and the scalar path
-    # elsewhere): decodes, multi-token chunks longer than a query tile, contexts that end
-    # mid-group, a NaN-filled cache outside the written slots, 3 query heads per kv head.
+def _kernel_case(cache_dtype, query_dtype, head_dim, block_size):
+    """A batch of decodes, multi-token chunks longer than a query tile and contexts that end
+    mid-group over a shuffled block table, the cache NaN outside the written slots, 3 query
+    heads per kv head: (q, kv_cache, tables, query_start_loc, query_lens, seq_lens)."""
     torch.manual_seed(0)
     num_heads, num_kv_heads, num_blocks = 6, 2, 40
     shapes = [(1, 1), (17, 1), (100, 1), (45, 20), (33, 33), (64, 3)]  # (seq_len, query_len)
@@ -195,11 +209,23 @@ def test_paged_attention_kernel_vector_path(dtype, tol, head_dim, block_size, wi
         kv_cache[:, blocks, positions % block_size] = torch.randn(
             2, seq_len, num_kv_heads, head_dim
         )
-    kv_cache = kv_cache.to(dtype)
     query_lens = [q for _, q in shapes]
     seq_lens = [s for s, _ in shapes]
-    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(query_dtype)
     qsl = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    return q, kv_cache.to(cache_dtype), tables, qsl, query_lens, seq_lens
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (32, 16), (64, 48)])
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_paged_attention_kernel_vector_path(dtype, tol, head_dim, block_size, window):
+    # Head and block sizes that take the AVX-512 path where there is one (and the scalar path
+    # elsewhere).
+    q, kv_cache, tables, qsl, query_lens, seq_lens = _kernel_case(
+        dtype, dtype, head_dim, block_size
+    )
     scale = head_dim**-0.5
     out = ops.paged_attention(
         q, kv_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), scale, window
@@ -209,3 +235,28 @@ def test_paged_attention_kernel_vector_path(dtype, tol, head_dim, block_size, wi
     )
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@needs_ops
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_float32_query_over_16_bit_cache(cache_dtype, head_dim, block_size, window):
+    # kv_cache_dtype="bfloat16" / "float16" under float32 weights: the kernel reads the 16-bit
+    # cache and computes in float32, so against the same 16-bit values in float64 it is
+    # float32-exact (the query is not rounded).
+    q, kv_cache, tables, qsl, query_lens, seq_lens = _kernel_case(
+        cache_dtype, torch.float32, head_dim, block_size
+    )
+    if not ops.attention_vectorized(kv_cache):
+        pytest.skip("no AVX-512 kernel on this CPU")
+    scale = head_dim**-0.5
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = ops.paged_attention(q, kv_cache, tables, qsl, sl, scale, window)
+    assert out.dtype == torch.float32
+    expected = _kernel_reference(q, kv_cache.float(), tables, query_lens, seq_lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    # The scalar kernel (block size 8) takes one dtype: the error says so.
+    q8, cache8, tables8, qsl8, _, _ = _kernel_case(cache_dtype, torch.float32, 64, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_attention(q8, cache8, tables8, qsl8, sl, scale, window)

@@ -62,6 +62,7 @@ FULL_LLM = {
         "enable_prefix_caching": False,
         "block_size": 32,
         "num_kv_blocks": 64,
+        "kv_cache_dtype": "float16",
         "quantization": "int8",
         "load_format": "dummy",
         "seed": 7,
@@ -109,6 +110,7 @@ def test_every_llm_key_reaches_the_engine_config() -> None:
     assert engine.model.dtype == "bfloat16"
     assert engine.model.max_model_len == 512
     assert engine.model.quantization == "int8"
+    assert engine.cache.kv_cache_dtype == "float16"
     assert engine.model.load_format == "dummy"
     assert engine.model.seed == 7
     assert engine.scheduler.max_num_seqs == 8

@@ -47,6 +47,7 @@ _ENGINE_SETTINGS = (
     "block_size",
     "kv_cache_memory",
     "num_kv_blocks",
+    "kv_cache_dtype",
     "seed",
     "device",
 )

@@ -76,6 +76,11 @@ class ServeSettings(BaseSettings):
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV pool size in blocks (overrides memory; else the profile's)"
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="KV cache storage dtype (auto: the weights'; bfloat16 under float32 weights "
+        "halves attention's reads and the pool's bytes per token)",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="waiting-queue order"
     )

@@ -160,6 +160,12 @@ def _memory(text: str) -> float:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     g = _add_model_source_flags(parser, default_dtype="float32", hf_note=True)
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="qiao's KV cache storage dtype (default auto: the model's; HF keeps its own)",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument(
         "--cuda-graphs",
@@ -332,15 +338,25 @@ def _config_from_args(config_cls: type[T], args: argparse.Namespace, **extra: An
 def _add_quality(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quality",
-        help="what quantization costs: greedy agreement and perplexity against float32",
-        description="Run the checkpoint in float32 and with --quantization, side by side: "
-        "greedy continuations of a dozen story prompts (identical outputs, agreeing positions, "
+        help="what quantization or a narrower KV cache costs: greedy agreement and perplexity "
+        "against float32",
+        description="Run the checkpoint in float32 and with --quantization and / or "
+        "--kv-cache-dtype, side by side: greedy continuations of a dozen story prompts (identical outputs, agreeing positions, "
         "mean agreeing prefix) and the perplexity of a fixed story text. The checkpoint needs "
         "its tokenizer; the prompts suit models trained on children's stories (stories260K).",
     )
     p.add_argument("--model", required=True, metavar="PATH", help="HF checkpoint directory")
     p.add_argument(
-        "--quantization", choices=["int8"], default="int8", help="the scheme to measure (int8)"
+        "--quantization",
+        choices=["int8", "none"],
+        default="int8",
+        help="the weight scheme to measure (int8; none: float32 weights)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16"],
+        default="auto",
+        help="the KV cache dtype to measure (default auto: float32, the weights')",
     )
     p.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens per prompt (64)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
@@ -350,7 +366,15 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
 def _cmd_quality(args: argparse.Namespace) -> int:
     from qiao.bench.quality import QualityConfig, format_quality, run_quality
 
-    cfg = QualityConfig(args.model, args.quantization, args.max_tokens)
+    quantization = None if args.quantization == "none" else args.quantization
+    if quantization is None and args.kv_cache_dtype == "auto":
+        print(
+            "qiao bench quality: nothing to compare; give --quantization int8 or "
+            "--kv-cache-dtype bfloat16|float16",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = QualityConfig(args.model, quantization, args.max_tokens, args.kv_cache_dtype)
     return _report(run_quality, cfg, format_quality, args.json)
 
 

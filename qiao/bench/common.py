@@ -114,6 +114,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
+    kv_cache_dtype: str = "auto"
 
 
 def context_len(num_tokens: int) -> int:
@@ -143,6 +144,8 @@ def build_llm(path: Path, args: EngineArgs) -> LLM:
         device=args.device,
         cuda_graphs=args.cuda_graphs,
     )
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization  # LLM() names it if it is not supported
     return LLM(str(path), **kwargs)

@@ -38,6 +38,7 @@ class LatencyConfig:
     decode_steps: int = 32
     dtype: str = "float32"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     device: str = "auto"
     cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
@@ -54,6 +55,7 @@ class LatencyConfig:
             load_format="dummy" if dummy else self.load_format,
             dtype=self.dtype,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_num_seqs=self.batch_size,
             # The whole batch's prompts in one step: prefill time is one step's time.
             max_num_batched_tokens=max(self.batch_size * self.input_len, 2048),
@@ -240,6 +242,8 @@ def format_latency(report: dict[str, Any]) -> str:
     source = c["shape"] or c["model"]
     n = c["batch_size"]
     quant = f" weights as {c['quantization']}" if c.get("quantization") else ""
+    if c.get("kv_cache_dtype", "auto") != "auto":
+        quant += f", KV cache {c['kv_cache_dtype']}"
     lines = [
         f"latency: {source}, {c['dtype']}{quant}, input {c['input_len']}, {c['decode_steps']} decode "
         f"steps, median of {c['repeat']}{device_note(report)}",

@@ -40,6 +40,7 @@ class ThroughputConfig:
     ignore_eos: bool = True
     dtype: str = "float32"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     device: str = "auto"
     cuda_graphs: bool | None = None  # None: the device's default (on for CUDA)
@@ -59,6 +60,7 @@ class ThroughputConfig:
             load_format="dummy" if dummy else self.load_format,
             dtype=self.dtype,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=context_len(self.input_len.hi + self.output_len.hi),
@@ -207,6 +209,8 @@ def format_throughput(report: dict[str, Any]) -> str:
     c = report["config"]
     source = c["shape"] or c["model"]
     quant = f" weights as {c['quantization']}" if c.get("quantization") else ""
+    if c.get("kv_cache_dtype", "auto") != "auto":
+        quant += f", KV cache {c['kv_cache_dtype']}"
     lines = [
         f"throughput: {source}, {c['dtype']}{quant}, {c['num_prompts']} prompts, input {c['input_len']}, "
         f"output {c['output_len']}, median of {c['repeat']}{device_note(report)}",

@@ -71,10 +71,13 @@ class LLMEngine:
 
         mc = config.model
         device = default_device() if config.device == "auto" else torch.device(config.device)
+        dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype)
+        kv_dtype = config.cache.kv_cache_dtype
         return ModelRunner(
             self.arch,
             None if mc.load_format == "dummy" else str(mc.path),
-            dtype=resolve_dtype(mc.dtype, self.arch.torch_dtype),
+            dtype=dtype,
+            kv_cache_dtype=dtype if kv_dtype == "auto" else resolve_dtype(kv_dtype, None),
             device=device,
             load_format=mc.load_format,
             quantization=mc.quantization,

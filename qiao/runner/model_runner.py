@@ -44,6 +44,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         load_format: str,
+        kv_cache_dtype: torch.dtype | None = None,
         quantization: str | None = None,
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
@@ -51,6 +52,7 @@ class ModelRunner:
     ) -> None:
         self.arch = arch
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype or dtype  # the KV cache's storage dtype
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or arch.max_position_embeddings
@@ -73,7 +75,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         arch = self.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return (
             2
             * arch.num_hidden_layers
@@ -115,7 +117,7 @@ class ModelRunner:
         shape = (2, num_blocks + 1, block_size, arch.num_key_value_heads, arch.head_dim)
         # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
         self.kv_caches = [
-            platform.zeros(shape, self.dtype, self.device) for _ in range(arch.num_hidden_layers)
+            platform.zeros(shape, self.kv_dtype, self.device) for _ in range(arch.num_hidden_layers)
         ]
         self.block_size = block_size
         self.model.bind_kv_caches(self.kv_caches)
@@ -123,10 +125,11 @@ class ModelRunner:
         # of 5 on 2 cores), and a server is ready before its first request anyway.
         self._prefault_pending = self.device.type == "cpu" and envs.kv_prefault()
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %s)",
             num_blocks,
             block_size,
             num_blocks * self.kv_bytes_per_block(block_size) / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
         )
         if self.use_cuda_graphs:
             self.enable_padded_decode(capture=True)

@@ -159,3 +159,14 @@ def test_quantization_reaches_the_engine_config_and_bad_values_are_named() -> No
     assert config.model.quantization is None
     with pytest.raises(ConfigError, match="quantization"):
         load_settings(["--quantization", "int4"])
+
+
+def test_kv_cache_dtype_reaches_the_engine_config_and_bad_values_are_named() -> None:
+    from qiao.api.server import engine_config
+
+    config, _ = engine_config(load_settings(["--kv-cache-dtype", "bfloat16", "--no-profile"]))
+    assert config.cache.kv_cache_dtype == "bfloat16"
+    config, _ = engine_config(load_settings(["--no-profile"]))
+    assert config.cache.kv_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        load_settings(["--kv-cache-dtype", "int8"])

@@ -1,6 +1,6 @@
 """Paged attention on CPU through the C++ kernel, reading the context through the block table.
 
-Where the kernel has its AVX-512 form (float32 / bfloat16 cache, block size a multiple of 16,
+Where the kernel has its AVX-512 form (float32 / bfloat16 / float16 cache, block size a multiple of 16,
 a common head size: `ops.attention_vectorized`), every row of the step, decode token or prompt
 chunk, goes through it in one call: it walks each sequence's context 16 positions at a time with
 no padded copy and no mask tensor, and measured faster than SDPA on prompts too (128-token
@@ -69,19 +69,21 @@ class CpuPagedBackend(AttentionBackend):
         if layout not in self._vectorized:
             self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
         if self._vectorized[layout]:
+            # The kernel reads a 16-bit cache for a float32 query itself (kv_cache_dtype).
+            mixed = query.dtype == torch.float32
             return self.ops.paged_attention(
-                query.to(kv_cache.dtype).contiguous(),
+                (query if mixed else query.to(kv_cache.dtype)).contiguous(),
                 kv_cache,
                 metadata.block_tables,
                 metadata.query_start_loc,
                 metadata.seq_lens,
                 scale,
                 sliding_window or 0,
-            )
+            ).to(query.dtype)
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan(metadata, query.device)
         plan: _Plan = metadata.backend_plan
-        query = query.to(kv_cache.dtype)
+        # The scalar kernel computes in the cache's dtype; SDPA in the query's.
         if plan.all_decode:
             return self._decode(query, kv_cache, metadata, plan, scale, sliding_window)
         out = torch.empty_like(query)
@@ -115,14 +117,14 @@ class CpuPagedBackend(AttentionBackend):
             block_tables = block_tables[plan.decode_seq_ids]
             seq_lens = seq_lens[plan.decode_seq_ids]
         return self.ops.paged_attention(
-            query.contiguous(),
+            query.to(kv_cache.dtype).contiguous(),
             kv_cache,
             block_tables,
             plan.decode_query_start_loc,
             seq_lens,
             scale,
             sliding_window or 0,
-        )
+        ).to(query.dtype)
 
 
 def _causal(

@@ -223,7 +223,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
 }
 
 #ifdef QIAO_AVX512
-// The vectorised form of the kernel above, for float32 / bfloat16 storage, head sizes that are
+// The vectorised form of the kernel above, for float32 / bfloat16 / float16 storage, head sizes that are
 // a multiple of 16 and block sizes that are a multiple of 16 (the defaults). The context is
 // walked 16 positions at a time, one position per lane: a query row's 16 scores come from 16
 // independent dot products (accumulators over head_dim) folded into one vector by `sum16`, so
@@ -271,8 +271,13 @@ inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's top hal
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const c10::Half* p) {  // AVX-512F converts 16 halves in one instruction
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
-template <typename T, int64_t D>
+// Q: the query / output dtype; T: the cache's (a float32 query over a bfloat16 or float16 cache
+// is the `kv_cache_dtype` case: half the context bytes, float32 everywhere else).
+template <typename Q, typename T, int64_t D>
 void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                             const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                             const torch::Tensor& seq_lens, double scale, int64_t window) {
@@ -289,10 +294,10 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
   const int64_t block_stride = block_size * row_stride;
   const int64_t kv_plane = kv_cache.size(1) * block_stride;
 
-  const T* q_ptr = q.data_ptr<T>();
+  const Q* q_ptr = q.data_ptr<Q>();
   const T* k_ptr = kv_cache.data_ptr<T>();
   const T* v_ptr = k_ptr + kv_plane;
-  T* out_ptr = out.data_ptr<T>();
+  Q* out_ptr = out.data_ptr<Q>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -312,7 +317,7 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
   at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = kQueryTile * heads_per_item * group;  // (token, head) rows of an item
     std::vector<float> qf(width * D), acc(width * D), m(width), l(width);
-    // 16 positions of K and V as float32 (filled for bfloat16 storage; float32 is read in place).
+    // 16 positions of K and V as float32 (filled for 16-bit storage; float32 is read in place).
     std::vector<float> kf(std::is_same_v<T, float> ? 0 : kLanes * row_floats);
     std::vector<float> vf(kf.size());
     volatile float sink = 0.f;  // keeps the touching loads
@@ -511,7 +516,7 @@ bool attention_vectorized(const torch::Tensor& kv_cache) {
 #ifdef QIAO_AVX512
   const auto dtype = kv_cache.scalar_type();
   if (kv_cache.dim() != 5 || kv_cache.size(2) % 16 != 0) return false;
-  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16) return false;
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kHalf) return false;
   return std::find(std::begin(kVectorHeadDims), std::end(kVectorHeadDims), kv_cache.size(4)) !=
          std::end(kVectorHeadDims);
 #else
@@ -523,7 +528,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t window) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the cache must share a dtype");
+  // The AVX-512 path also takes a float32 query over a 16-bit cache; the scalar one does not.
+  const auto cache_type = kv_cache.scalar_type();
+  const bool mixed = q.scalar_type() == torch::kFloat32 && cache_type != torch::kFloat32 &&
+                     attention_vectorized(kv_cache);
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && q.size(2) == kv_cache.size(4),
+              "q [T, H, D] and the cache [2, blocks, block_size, Hkv, D] must share D");
+  TORCH_CHECK(mixed || q.scalar_type() == kv_cache.scalar_type(),
+              "q and the cache must share a dtype (or be float32 over a 16-bit cache with AVX-512)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32);
   auto out = torch::empty_like(q);
@@ -533,11 +545,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
     const auto run = [&](auto head_dim_c) {
       constexpr int64_t D = decltype(head_dim_c)::value;
       if (done || q.size(2) != D) return;
-      if (q.scalar_type() == torch::kFloat32)
-        paged_attention_avx512<float, D>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
-      else
-        paged_attention_avx512<c10::BFloat16, D>(out, q, kv_cache, block_tables, query_start_loc, seq_lens,
-                                                 scale, window);
+      auto kernel = &paged_attention_avx512<float, float, D>;
+      if (cache_type == torch::kBFloat16)
+        kernel = mixed ? &paged_attention_avx512<float, c10::BFloat16, D>
+                       : &paged_attention_avx512<c10::BFloat16, c10::BFloat16, D>;
+      else if (cache_type == torch::kHalf)
+        kernel = mixed ? &paged_attention_avx512<float, c10::Half, D> : &paged_attention_avx512<c10::Half, c10::Half, D>;
+      kernel(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
       done = true;
     };
     run(std::integral_constant<int64_t, 64>{});
