@@ -63,6 +63,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV pool size in blocks (overrides --kv-cache-memory; default: the profile's)",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="KV cache storage dtype (default auto: the weights')",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument(
@@ -160,6 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         cuda_graphs=args.cuda_graphs,

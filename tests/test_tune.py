@@ -22,7 +22,7 @@ from qiao.api.server import engine_config
 from qiao.api.settings import load_settings
 from qiao.bench.cli import _memory
 from qiao.bench.tune import default_thread_counts
-from qiao.bench.tune_sweeps import smallest_near_best
+from qiao.bench.tune_sweeps import budget_for_itl, smallest_near_best
 from qiao.cli import main
 from qiao.errors import ConfigError
 from qiao.profile import (
@@ -132,6 +132,37 @@ def test_tune_out_and_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert profile.settings.num_kv_blocks == 8 and profile.settings.max_num_seqs == 1
     assert profile.measurements["num_kv_blocks"]["budget"] == "--max-memory"
     assert f"profile written to {out}" in capsys.readouterr().out
+
+
+def test_tune_for_an_itl_slo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "itl.json"
+    argv = ["tune", "--shape", "tiny", "--quick", "--no-progress", "--out", str(out)]
+    assert main([*argv, "--threads", "1", "--itl-slo", "0.5"]) == 0
+    profile = load_profile(out)
+    budgets = profile.measurements["max_num_batched_tokens"]
+    assert budgets["itl_slo_s"] == 0.5
+    seqs = profile.measurements["max_num_seqs"]
+    assert budgets == budget_for_itl(seqs, 0.5, seqs["fastest_smallest"])
+    assert profile.settings.max_num_batched_tokens == budgets["chosen"]
+    assert profile.settings.max_num_seqs <= budgets["chosen"]
+    assert "max_num_batched_tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--itl-slo", "0"])
+
+
+def test_itl_budget_rule() -> None:
+    # Step time 38 ms + 2 ms per token (the 135M shape on 2 cores): under a 250 ms p99 ITL a full
+    # step may take 200 ms, so 80 tokens (198 ms), not 96 (230 ms).
+    sweep = {"candidates": [{"batch_size": b, "step_ms": 38 + 2 * b} for b in (1, 8, 32, 64)]}
+    chosen = budget_for_itl(sweep, 0.25, max_num_seqs=128)
+    assert (chosen["chosen"], chosen["max_num_seqs"], chosen["feasible"]) == (80, 80, True)
+    assert {"max_num_batched_tokens": 80, "step_ms": 198.0} in chosen["candidates"]
+    # Past the largest measured batch the line extends: 1 s allows (800 - 38) / 2 -> 368.
+    assert budget_for_itl(sweep, 1.0, max_num_seqs=64)["chosen"] == 368
+    assert budget_for_itl(sweep, 1.0, max_num_seqs=64)["max_num_seqs"] == 64
+    # An SLO no step meets: the smallest budget, flagged.
+    tight = budget_for_itl(sweep, 0.05, max_num_seqs=8)
+    assert (tight["chosen"], tight["feasible"]) == (16, False)
 
 
 def test_choice_rules_and_flag_types() -> None:

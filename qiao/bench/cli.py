@@ -64,6 +64,16 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--block-size", type=int, default=16, help="KV block size, tokens (16)")
     g.add_argument(
+        "--itl-slo",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="tune for serving under this p99 inter-token latency: the token budget becomes "
+        "the largest multiple of 16 whose full step (from the measured decode steps) takes at "
+        "most 80%% of it, and max_num_seqs at most that budget (default: the budget from the "
+        "prefill sweep, for throughput)",
+    )
+    g.add_argument(
         "--out",
         metavar="PATH",
         default=None,
@@ -134,6 +144,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number")
     return value
 
 

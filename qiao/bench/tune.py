@@ -30,6 +30,7 @@ from qiao.bench.tune_sweeps import (
     FULL_PLAN,
     QUICK_PLAN,
     TunePlan,
+    budget_for_itl,
     sweep_batch_sizes,
     sweep_threads,
     sweep_token_budgets,
@@ -68,6 +69,9 @@ class TuneConfig:
     batch_sizes: tuple[int, ...] | None = None
     token_budgets: tuple[int, ...] | None = None
     block_size: int = 16
+    # Serve under this p99 inter-token latency (seconds): the token budget then comes from the
+    # measured step times (`budget_for_itl`), not from the prefill sweep.
+    itl_slo: float | None = None
     out: str | None = None  # None: the profile's place under QIAO_PROFILE_DIR
     seed: int = 0
     show_progress: bool = True
@@ -134,15 +138,20 @@ def _measure(
     threads = sweep_threads(llm.engine, plan, arch.vocab_size, bar)
     torch.set_num_threads(threads["chosen"])
     seqs = sweep_batch_sizes(llm.engine, plan, arch.vocab_size, bar)
-    kv = _size_kv(llm, arch, cfg, seqs["chosen"])
+    budgets = None
+    if cfg.itl_slo is not None:
+        budgets = budget_for_itl(seqs, cfg.itl_slo, seqs["chosen"])
+        seqs["rule"] += "; at most the ITL-derived token budget"
+    kv = _size_kv(llm, arch, cfg, budgets["max_num_seqs"] if budgets else seqs["chosen"])
     seqs["fastest_smallest"], seqs["chosen"] = seqs["chosen"], kv.pop("max_num_seqs")
     ceilings = _ceilings(llm, plan.quick)
     bar.update(1)
     del llm
     gc.collect()
-    budgets = sweep_token_budgets(
-        path, _decode_engine_args(cfg, plan), plan, arch.vocab_size, seqs["chosen"], bar
-    )
+    if budgets is None:
+        budgets = sweep_token_budgets(
+            path, _decode_engine_args(cfg, plan), plan, arch.vocab_size, seqs["chosen"], bar
+        )
     measurements = {
         "num_threads": threads,
         "max_num_seqs": seqs,
@@ -239,7 +248,7 @@ def _progress(plan: TunePlan, cfg: TuneConfig) -> Any:
     """A tqdm bar over every measurement point (one per candidate, plus the ceilings)."""
     from tqdm.auto import tqdm
 
-    num_budget_runs = len(plan.token_budgets) * plan.prefill_passes
+    num_budget_runs = 0 if cfg.itl_slo else len(plan.token_budgets) * plan.prefill_passes
     total = len(plan.thread_counts) + len(plan.batch_sizes) + num_budget_runs + 1
     return tqdm(
         total=total, desc="qiao tune", unit="point", leave=False, disable=not cfg.show_progress

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from qiao.bench.tune_sweeps import ITL_STEP_SHARE
 from qiao.profile import Profile
 
 # A 1-minute load average above this when tuning started: other work skewed the figures.
@@ -14,6 +15,8 @@ BUSY_LOAD = 0.5
 def format_tune(profile: Profile, path: Path) -> str:
     """A summary: the choices, the measurements behind them, and where the profile went."""
     m, s = profile.measurements, profile.settings
+    budgets = m["max_num_batched_tokens"]
+    itl = "itl_slo_s" in budgets  # the budget came from `--itl-slo`, not the prefill sweep
     lines = [
         f"qiao tune: {profile.model.describe()} on {profile.machine.describe()} "
         f"({m['seconds']:.1f} s{', quick' if profile.quick else ''})",
@@ -24,13 +27,19 @@ def format_tune(profile: Profile, path: Path) -> str:
         _sweep_line(
             "max_num_batched_tokens",
             s.max_num_batched_tokens,
-            m["max_num_batched_tokens"],
+            budgets,
             "max_num_batched_tokens",
-            "prefill_tok_s",
+            "step_ms" if itl else "prefill_tok_s",
         ),
         _kv_line(s.num_kv_blocks, m["num_kv_blocks"]),
         f"profile written to {path}",
     ]
+    if itl and not budgets["feasible"]:
+        lines.append(
+            f"warning: even a {budgets['chosen']}-token step takes more than "
+            f"{ITL_STEP_SHARE:.0%} of the {budgets['itl_slo_s'] * 1e3:.0f} ms ITL SLO here; "
+            "expect to miss it"
+        )
     load = m.get("load_average_before")
     if load is not None and load >= BUSY_LOAD:
         lines.append(
