@@ -5,9 +5,10 @@
 #
 #   scripts/serve_sweep.sh [OUTDIR]          (default docs/results)
 #
-# Environment knobs (defaults in brackets): SHAPE [smollm2-135m], RATES [0.5,0.75,1,1.25],
-# PROMPTS per rate [100], INPUT_LEN [128], OUTPUT_LEN [128], SERVE_ARGS (extra `qiao serve`
-# flags) [--max-num-batched-tokens 64: a prompt chunk per step small enough that p99 ITL stays low], PORT [8731].
+# Environment knobs (defaults in brackets): SHAPE [smollm2-135m], RATES [1.2,1.3,1.4],
+# PROMPTS per rate [300], INPUT_LEN [128], OUTPUT_LEN [128], SERVE_ARGS (extra `qiao serve`
+# flags) [--max-num-batched-tokens 80: the budget `qiao tune --itl-slo 0.25` picks for the
+# 135M shape on a 2-core machine, a full step at ~80 % of the 250 ms ITL SLO], PORT [8731].
 # Requests sample greedily (--temperature 0), as the offline `qiao bench throughput` does.
 # The shape has no tokenizer of its own; the script writes a word-level one (see below).
 set -euo pipefail
@@ -15,11 +16,11 @@ cd "$(dirname "$0")/.."
 
 OUTDIR=${1:-docs/results}
 SHAPE=${SHAPE:-smollm2-135m}
-RATES=${RATES:-0.5,0.75,1,1.25}
-PROMPTS=${PROMPTS:-100}
+RATES=${RATES:-1.2,1.3,1.4}
+PROMPTS=${PROMPTS:-300}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
-SERVE_ARGS=${SERVE_ARGS:---max-num-batched-tokens 64}
+SERVE_ARGS=${SERVE_ARGS:---max-num-batched-tokens 80}
 PORT=${PORT:-8731}
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "run ./dev setup first" >&2; exit 1; }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -91,11 +92,11 @@ def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:
     order = _prefault_order(caches)
     block = 8192
     # Block order first, then layer, then K before V: every layer's first blocks come first.
-    assert order[:4] == [(0, 0, 64 * block), (0, 64 * block, 64 * block)] + [
-        (1, 0, 64 * block),
-        (1, 64 * block, 64 * block),
+    assert order[:4] == [(0, 0, 64 * block, 0), (0, 64 * block, 64 * block, 0)] + [
+        (1, 0, 64 * block, 0),
+        (1, 64 * block, 64 * block, 0),
     ]
-    covered = sum(length for _, _, length in order)
+    covered = sum(length for _, _, length, _ in order)
     assert covered == 2 * caches[0].numel() * 4
     before = [_resident_bytes(c.data_ptr()) for c in caches]
     thread = platform.prefault_in_background(caches, order)
@@ -112,7 +113,7 @@ def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:
 def test_prefault_stops_when_the_pool_is_freed() -> None:
     from collections.abc import Sequence
 
-    class Endless(Sequence[tuple[int, int, int]]):
+    class Endless(Sequence[tuple[int, int, int, int]]):
         """A billion 4 KiB ranges over the pool's first 64 MiB: hours of work if never stopped."""
 
         def __len__(self) -> int:
@@ -121,7 +122,7 @@ def test_prefault_stops_when_the_pool_is_freed() -> None:
         def __getitem__(self, i):  # type: ignore[override]
             if i >= len(self):
                 raise IndexError(i)
-            return (0, (i % 2**14) * 4096, 4096)
+            return (0, (i % 2**14) * 4096, 4096, i)
 
     pool = platform.zeros((2**24,), torch.float32, torch.device("cpu"))  # 64 MiB
     thread = platform.prefault_in_background([pool], Endless())
@@ -130,6 +131,32 @@ def test_prefault_stops_when_the_pool_is_freed() -> None:
     del pool
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_paced_prefault_stays_near_use() -> None:
+    import os
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc here to read the resident size from")
+    mib = 2**20
+    pool = platform.zeros((2**24,), torch.float32, torch.device("cpu"))  # 64 MiB
+    ranges = [(0, i * 8 * mib, 8 * mib, i) for i in range(8)]  # position = 8 MiB chunk
+    pacer = platform.PrefaultPacer(ahead=2)
+    thread = platform.prefault_in_background([pool], ranges, pacer)
+    if thread is None:
+        pytest.skip("no background prefault on this platform")
+    deadline = time.monotonic() + 30
+    while pacer.waiting_at != 2 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the thread's state: it has no event of its own to wait on
+    if not thread.is_alive():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert pacer.waiting_at == 2  # chunks 0 and 1 done, chunk 2 waits for use to come near
+    resident = _resident_bytes(pool.data_ptr())
+    assert 16 * mib <= resident < 24 * mib  # (plus a huge page at an unaligned start)
+    pacer.advance(6)  # use reached chunk 6: everything below 8 may go
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert _resident_bytes(pool.data_ptr()) >= 64 * mib
 
 
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,3 +190,5 @@ def test_runner_faults_the_pool_in_from_its_first_step(tiny_checkpoint) -> None:
     assert runner._prefault_pending  # not during start-up
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not runner._prefault_pending
+    # The pacer knows how far use has come: the one block the request wrote.
+    assert runner._prefault_pacer is not None and runner._prefault_pacer._used >= 1

@@ -142,33 +142,68 @@ _MADV_POPULATE_WRITE = 23
 _PREFAULT_NICE = 10
 
 
+class PrefaultPacer:
+    """How far a background prefault may run ahead of use. Ranges carry a position in the
+    caller's unit (KV blocks, say); one at `position` goes ahead once `position < used + ahead`,
+    and the user of the memory calls `advance(used)` as use grows.
+
+    Faulting a whole pool at once costs a core for seconds (2.4 GiB: ~7 s here) and, under load,
+    a tenth of one for over a minute even at nice 10: every step that long is slower. Paced,
+    the same work spreads out with demand, and a pool that is never filled is never faulted in.
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.waiting_at: int | None = None  # the position the prefault waits at, if it does
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def advance(self, used: int) -> None:
+        if used > self._used:  # one writer; a stale read only delays the notify by a step
+            with self._cond:
+                self._used = used
+                self._cond.notify_all()
+
+    def wait_until_near(self, position: int, timeout: float) -> bool:
+        """Wait until `position` is within `ahead` of use; False on timeout."""
+        with self._cond:
+            self.waiting_at = position
+            near = self._cond.wait_for(lambda: position < self._used + self.ahead, timeout)
+            self.waiting_at = None
+            return near
+
+
 def prefault_in_background(
-    tensors: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]
+    tensors: Sequence[torch.Tensor],
+    ranges: Sequence[tuple[int, int, int, int]],
+    pacer: PrefaultPacer | None = None,
 ) -> threading.Thread | None:
     """Fault in CPU memory that `zeros` mapped lazily, on a low-priority thread (nice 10: idle
     cores first, about a tenth of a busy one), so the first writes to it later do not stop for
     page faults.
 
-    `ranges` are (tensor index, byte offset, byte length), populated in the order given (the
-    order the memory will be used in). On a VM whose host backs guest memory lazily, a fresh
-    2 MiB page faults in ~5 ms, and a KV pool's K and V of every layer reach a new huge page in
-    the same step: one step in ~40 stalls for ~0.3 s, which is a serving p99 latency. The
-    thread holds the tensors weakly and stops once one is freed, or at the first range the
-    kernel refuses (no MADV_POPULATE_WRITE before Linux 5.14). Returns the thread; None off
-    Linux.
+    `ranges` are (tensor index, byte offset, byte length, position), populated in the order
+    given (the order the memory will be used in); with a `pacer`, each waits until its position
+    is near use. On a VM whose host backs guest memory lazily, a fresh 2 MiB page faults in
+    ~5 ms, and a KV pool's K and V of every layer reach a new huge page in the same step: one
+    step in ~40 stalls for ~0.3 s, which is a serving p99 latency. The thread holds the tensors
+    weakly and stops once one is freed, or at the first range the kernel refuses (no
+    MADV_POPULATE_WRITE before Linux 5.14). Returns the thread; None off Linux.
     """
     if not tensors or _host.system() != "Linux":
         return None
     refs = [weakref.ref(t) for t in tensors]
     thread = threading.Thread(
-        target=_prefault, args=(refs, ranges), name="qiao-prefault", daemon=True
+        target=_prefault, args=(refs, ranges, pacer), name="qiao-prefault", daemon=True
     )
     thread.start()
     return thread
 
 
 def _prefault(
-    refs: list[weakref.ref[torch.Tensor]], ranges: Sequence[tuple[int, int, int]]
+    refs: list[weakref.ref[torch.Tensor]],
+    ranges: Sequence[tuple[int, int, int, int]],
+    pacer: PrefaultPacer | None,
 ) -> None:
     # Not SCHED_IDLE: a server under steady load never leaves a core idle (its compute threads
     # spin between parallel regions), and the pool would fault in on the critical path anyway.
@@ -178,7 +213,11 @@ def _prefault(
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    for index, offset, length in ranges:
+    for index, offset, length, position in ranges:
+        if pacer is not None:
+            while not pacer.wait_until_near(position, timeout=1.0):
+                if refs[index]() is None:
+                    return  # freed while waiting for use to come near
         tensor = refs[index]()
         if tensor is None:
             return  # freed: nothing left worth faulting in

@@ -34,6 +34,9 @@ from qiao.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# How far the CPU KV pool is faulted in ahead of the highest block in use (see PrefaultPacer).
+PREFAULT_AHEAD_BYTES = 256 << 20
+
 
 class ModelRunner:
     def __init__(
@@ -71,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self._prefault_pending = False  # set by init_kv_cache on the CPU
+        self._prefault_pacer: platform.PrefaultPacer | None = None
         self.block_size = 16
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -124,6 +128,9 @@ class ModelRunner:
         # Started by the first step, not here: faulting in beside start-up slowed it (~0.4 s
         # of 5 on 2 cores), and a server is ready before its first request anyway.
         self._prefault_pending = self.device.type == "cpu" and envs.kv_prefault()
+        if self._prefault_pending:
+            ahead = PREFAULT_AHEAD_BYTES // self.kv_bytes_per_block(block_size)
+            self._prefault_pacer = platform.PrefaultPacer(max(1, ahead))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s)",
             num_blocks,
@@ -157,7 +164,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         if self._prefault_pending:
             self._prefault_pending = False
-            platform.prefault_in_background(self.kv_caches, _prefault_order(self.kv_caches))
+            platform.prefault_in_background(
+                self.kv_caches, _prefault_order(self.kv_caches), self._prefault_pacer
+            )
         hidden = None
         if self.decode_graphs is not None:
             # Row i is sequence i's one token, or None: not pure decode, or no bucket fits.
@@ -209,6 +218,10 @@ class ModelRunner:
             block_tables[i, : len(s.block_ids)] = s.block_ids
         bs = self.block_size
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
+        if self._prefault_pacer is not None:
+            # Fresh blocks are handed out in id order: the highest block written is how far
+            # into the pool use has come.
+            self._prefault_pacer.advance(int(slot_mapping.max()) // bs + 1)
 
         def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return to_device_async(array, self.device, dtype)
@@ -247,9 +260,9 @@ class ModelRunner:
         return out
 
 
-def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """(cache index, byte offset, byte length) of every layer's K and V, ~2 MiB of blocks at a
-    time in block order: the order the block manager hands fresh blocks out in."""
+def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
+    """(cache index, byte offset, byte length, first block) of every layer's K and V, ~2 MiB
+    of blocks at a time in block order: the order the block manager hands fresh blocks out in."""
     _, num_blocks, *_ = caches[0].shape
     block_bytes = caches[0][0, 0].numel() * caches[0].element_size()
     step = max(1, (2 << 20) // block_bytes)
@@ -258,6 +271,7 @@ def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int]]:
             index,
             (kv * num_blocks + first) * block_bytes,
             min(step, num_blocks - first) * block_bytes,
+            first,
         )
         for first in range(0, num_blocks, step)
         for index in range(len(caches))
