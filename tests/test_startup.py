@@ -192,3 +192,21 @@ def test_runner_faults_the_pool_in_from_its_first_step(tiny_checkpoint) -> None:
     assert not runner._prefault_pending
     # The pacer knows how far use has come: the one block the request wrote.
     assert runner._prefault_pacer is not None and runner._prefault_pacer._used >= 1
+
+
+def test_serve_start_up_heap_is_frozen_and_collection_restored() -> None:
+    import gc
+
+    from qiao.api.server import freeze_startup_heap
+    from qiao.cli import main
+
+    # A refused start (bad port) runs with collection off until the settings fail, then
+    # restores it: an in-process caller keeps a working collector.
+    assert main(["serve", "--port", "70000"]) != 0
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > before  # full collections no longer rescan these
+    finally:
+        gc.unfreeze()
