@@ -198,7 +198,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(argv: list[str]) -> int:
     # No garbage collection while the server starts: importing torch and transformers and
     # loading a model ran five full collections of a growing heap, ~0.5 s of a 5 s start on 2
-    # cores. run_server freezes what start-up left and turns collection back on.
+    # cores. run_server keeps it off while the models load, then freezes what start-up left.
     gc.disable()
     try:
         from qiao.api.settings import load_settings
@@ -208,7 +208,7 @@ def _cmd_serve(argv: list[str]) -> int:
         from qiao.api.server import run_server
     finally:
         gc.enable()
-    run_server(settings, collect_during_setup=False)
+    run_server(settings)
     return 0
 
 

@@ -15,6 +15,7 @@ import torch
 
 from qiao import LLM, SamplingParams
 from qiao.bench.quality import measure_quality
+from qiao.cli import main
 from qiao.errors import ConfigError
 
 
@@ -56,6 +57,10 @@ def test_float16_kv_cache_quality_on_stories260k_stays_within_measured_bounds(st
     assert report.exact_match_prompts >= 10 / 12
 
 
-def test_quality_needs_something_to_compare(stories_dir):
+def test_quality_needs_something_to_compare(stories_dir, capsys):
     with pytest.raises(ConfigError, match="nothing to compare"):
         measure_quality(str(stories_dir), None, kv_cache_dtype="float32")
+    # The command says so too, naming the flags, before loading anything.
+    argv = ["bench", "quality", "--model", str(stories_dir), "--quantization", "none"]
+    assert main(argv) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err

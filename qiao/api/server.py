@@ -250,17 +250,15 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
             await grpc_server.stop(grace=2.0)
 
 
-def run_server(settings: ServeSettings, *, collect_during_setup: bool = True) -> None:
-    """Set up the app (models loaded), then serve until a signal. Without
-    `collect_during_setup` the garbage collector stays off while the models load (start-up
-    time; see `freeze_startup_heap`)."""
+def run_server(settings: ServeSettings) -> None:
+    """Set up the app (models loaded; the garbage collector off meanwhile, see
+    `freeze_startup_heap`), then serve until a signal."""
     settings.check_security()
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     started = time.monotonic()
-    if not collect_during_setup:
-        gc.disable()
+    gc.disable()
     try:
         app = build_app(settings)
         freeze_startup_heap()

@@ -387,13 +387,6 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     from qiao.bench.quality import QualityConfig, format_quality, run_quality
 
     quantization = None if args.quantization == "none" else args.quantization
-    if quantization is None and args.kv_cache_dtype == "auto":
-        print(
-            "qiao bench quality: nothing to compare; give --quantization int8 or "
-            "--kv-cache-dtype bfloat16|float16",
-            file=sys.stderr,
-        )
-        return 2
     cfg = QualityConfig(args.model, quantization, args.max_tokens, args.kv_cache_dtype)
     return _report(run_quality, cfg, format_quality, args.json)
 

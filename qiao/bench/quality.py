@@ -117,7 +117,8 @@ def measure_quality(
     variant = variant_name(quantization, kv_cache_dtype)
     if not variant:
         raise ConfigError(
-            "nothing to compare: set a quantization or a kv_cache_dtype narrower than float32"
+            "nothing to compare: set a quantization (--quantization int8) or a kv_cache_dtype "
+            "narrower than float32 (--kv-cache-dtype bfloat16|float16)"
         )
     reference = _greedy_and_perplexity(model, None, "auto", prompts, max_tokens, text)
     quantized = _greedy_and_perplexity(

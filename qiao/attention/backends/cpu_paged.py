@@ -69,10 +69,10 @@ class CpuPagedBackend(AttentionBackend):
         if layout not in self._vectorized:
             self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
         if self._vectorized[layout]:
-            # The kernel reads a 16-bit cache for a float32 query itself (kv_cache_dtype).
-            mixed = query.dtype == torch.float32
+            # A float32 query goes in as is: the kernel reads a 16-bit cache under it itself.
+            kernel_query = query if query.dtype == torch.float32 else query.to(kv_cache.dtype)
             return self.ops.paged_attention(
-                (query if mixed else query.to(kv_cache.dtype)).contiguous(),
+                kernel_query.contiguous(),
                 kv_cache,
                 metadata.block_tables,
                 metadata.query_start_loc,
