@@ -210,3 +210,34 @@ def test_serve_start_up_heap_is_frozen_and_collection_restored() -> None:
         assert gc.get_freeze_count() > before  # full collections no longer rescan these
     finally:
         gc.unfreeze()
+
+
+def test_cpu_engine_gets_its_kernels_while_loading(tiny_checkpoint, monkeypatch) -> None:
+    """The C++ kernels are found (or compiled) before the engine exists, so a server's readiness
+    means its first request will not wait for a compiler."""
+    import threading
+
+    from qiao.engine import llm_engine
+    from qiao.entrypoints.llm import LLM
+    from qiao.kernels import cpu_ops
+
+    asked: list[str] = []
+
+    def recording_cpu_ops():
+        asked.append(threading.current_thread().name)
+        return cpu_ops()
+
+    monkeypatch.setattr(llm_engine, "cpu_ops", recording_cpu_ops)
+    LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64, device="cpu")
+    # Once, on a loader thread beside the weights.
+    assert len(asked) == 1 and asked[0].startswith("qiao-loader")
+
+
+def test_concurrent_kernel_requests_share_one_build() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qiao.kernels import cpu_ops
+
+    with ThreadPoolExecutor(4) as pool:
+        modules = list(pool.map(lambda _: cpu_ops(), range(8)))
+    assert all(m is modules[0] for m in modules)

@@ -12,6 +12,8 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from qiao.config import EngineConfig
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.output_processor import OutputProcessor
@@ -19,6 +21,7 @@ from qiao.engine.request import Request, RequestStatus
 from qiao.engine.scheduler import Scheduler
 from qiao.errors import ConfigError
 from qiao.hal.platform import default_device, resolve_dtype
+from qiao.kernels import cpu_ops
 from qiao.models.arch_config import load_arch_config
 from qiao.outputs import RequestOutput
 from qiao.runner.model_runner import ModelRunner
@@ -39,14 +42,20 @@ class LLMEngine:
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
+        device = default_device() if config.device == "auto" else torch.device(config.device)
         # The tokenizer loads (mostly Python imports) on a worker thread while the weights load
-        # (torch ops, which let go of the GIL): a second or two off every start.
-        with ThreadPoolExecutor(1, thread_name_prefix="qiao-tokenizer") as pool:
+        # (torch ops, which let go of the GIL): a second or two off every start. On the CPU the
+        # C++ kernels are found (or, once per machine, compiled) beside them, so that the first
+        # step, and a server's first request, never waits for a compiler.
+        with ThreadPoolExecutor(2, thread_name_prefix="qiao-loader") as pool:
             tokenizer = None
             if not mc.skip_tokenizer_init:
                 tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.path)
-            self.runner = self._build_runner(config)
+            kernels = pool.submit(cpu_ops) if device.type == "cpu" else None
+            self.runner = self._build_runner(config, device)
             self.tokenizer = tokenizer.result() if tokenizer is not None else None
+            if kernels is not None:
+                kernels.result()
         self.eos_token_ids = load_eos_token_ids(mc.path, self.arch.eos_token_ids, self.tokenizer)
 
         cache = config.cache
@@ -66,11 +75,8 @@ class LLMEngine:
         self.num_generated_tokens_total = 0
         self._arrivals = itertools.count()
 
-    def _build_runner(self, config: EngineConfig) -> ModelRunner:
-        import torch
-
+    def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model
-        device = default_device() if config.device == "auto" else torch.device(config.device)
         dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype)
         kv_dtype = config.cache.kv_cache_dtype
         return ModelRunner(

@@ -2,7 +2,9 @@
 
 `cpu_ops()` returns the compiled module, or None when it cannot be built (no compiler) or is
 disabled with QIAO_DISABLE_CPU_KERNELS=1; callers then use the plain-PyTorch reference, which is
-also the kernels' test oracle.
+also the kernels' test oracle. A CPU engine asks for them while it loads (`LLMEngine`), so a
+first build (about a minute on 2 cores) happens before a server reports ready, not inside its
+first request.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -22,10 +26,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# One build at a time: the engine asks from a loader thread while other code may ask too.
+_BUILD_LOCK = threading.Lock()
+
+
+def cpu_ops() -> ModuleType | None:
+    with _BUILD_LOCK:
+        return _cpu_ops()
 
 
 @functools.cache
-def cpu_ops() -> ModuleType | None:
+def _cpu_ops() -> ModuleType | None:
     if envs.disable_cpu_kernels():
         return None
     try:
@@ -49,7 +60,15 @@ def _build() -> ModuleType:
     key = hashlib.sha256(source + torch.__version__.encode() + _cpu_id()).hexdigest()[:16]
     build_dir = envs.cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    fresh = not (build_dir / "qiao_cpu_ops.so").exists()
+    if fresh:
+        logger.info(
+            "building the C++ CPU kernels for this machine into %s (once per machine and "
+            "version; about a minute on 2 cores)",
+            build_dir,
+        )
+    started = time.monotonic()
+    module = cpp_extension.load(
         name="qiao_cpu_ops",
         sources=[str(_SOURCE)],
         build_directory=str(build_dir),
@@ -63,6 +82,9 @@ def _build() -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+    if fresh:
+        logger.info("built the C++ CPU kernels in %.0f s", time.monotonic() - started)
+    return module
 
 
 def _cpu_id() -> bytes:
