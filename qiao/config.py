@@ -72,8 +72,17 @@ class CacheConfig:
     # bytes attention reads per context token (and doubles the tokens a pool holds); attention
     # still computes in float32.
     kv_cache_dtype: str = "auto"
+    # Share of the pool that freed blocks may fill (kept as prefix cache) before never-used
+    # blocks are handed out; past it the least recently freed are reused. The memory touched
+    # then follows the load; 1.0 fills the whole pool before reusing any freed block.
+    prefix_cache_reserve: float = 0.125
 
     def __post_init__(self) -> None:
+        _require(
+            0.0 <= self.prefix_cache_reserve <= 1.0,
+            "prefix_cache_reserve",
+            f"must be a share of the pool in [0, 1], got {self.prefix_cache_reserve!r}",
+        )
         _require(
             self.kv_cache_dtype in DTYPES,
             "kv_cache_dtype",
@@ -135,6 +144,7 @@ class EngineConfig:
         kv_cache_memory: float | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
+        prefix_cache_reserve: float = 0.125,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         device: str = "auto",
@@ -160,6 +170,7 @@ class EngineConfig:
                 num_kv_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,
+                prefix_cache_reserve=prefix_cache_reserve,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -64,3 +64,40 @@ def test_quality_needs_something_to_compare(stories_dir, capsys):
     argv = ["bench", "quality", "--model", str(stories_dir), "--quantization", "none"]
     assert main(argv) == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
+# --- prefix_cache_reserve: how much of the pool freed blocks may fill before fresh ones ---------
+
+
+def test_prefix_cache_reserve_bounds_the_blocks_a_workload_touches(tiny_checkpoint):
+    from qiao.api.server import engine_config
+    from qiao.api.settings import load_settings
+    from qiao.sampling_params import SamplingParams
+
+    model = str(tiny_checkpoint("llama"))
+    config, _ = engine_config(
+        load_settings(["--model", model, "--prefix-cache-reserve", "0.25", "--no-profile"])
+    )
+    assert config.cache.prefix_cache_reserve == 0.25
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[10 + i, 11 + i, 12 + i, 13 + i] * 5 for i in range(60)]  # 20 tokens, distinct
+
+    def touched(reserve: float) -> tuple[int, list]:
+        llm = LLM(model, num_kv_blocks=256, device="cpu", prefix_cache_reserve=reserve)
+        bm = llm.engine.block_manager
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time
+        bm.check_invariants()
+        return bm.next_fresh, [o.outputs[0].token_ids for o in outs]
+
+    # 2 blocks per request (28 tokens of 16): the full first one is cached when freed, the
+    # partial tail is not and is reused at once. Warm-first touches the reserve (26) and a
+    # little more; filling the whole pool first touches a fresh block per request. Same outputs.
+    bounded, bounded_out = touched(0.1)
+    whole, whole_out = touched(1.0)
+    assert bounded <= 26 + 2 * 2 and whole == len(prompts) + 1
+    assert bounded_out == whole_out
+
+
+def test_prefix_cache_reserve_out_of_range_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="prefix_cache_reserve"):
+        LLM(str(tiny_checkpoint("llama")), prefix_cache_reserve=1.5)

@@ -63,6 +63,7 @@ FULL_LLM = {
         "block_size": 32,
         "num_kv_blocks": 64,
         "kv_cache_dtype": "float16",
+        "prefix_cache_reserve": 0.5,
         "quantization": "int8",
         "load_format": "dummy",
         "seed": 7,
@@ -111,6 +112,7 @@ def test_every_llm_key_reaches_the_engine_config() -> None:
     assert engine.model.max_model_len == 512
     assert engine.model.quantization == "int8"
     assert engine.cache.kv_cache_dtype == "float16"
+    assert engine.cache.prefix_cache_reserve == 0.5
     assert engine.model.load_format == "dummy"
     assert engine.model.seed == 7
     assert engine.scheduler.max_num_seqs == 8

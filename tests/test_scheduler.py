@@ -229,3 +229,56 @@ def test_block_accounting_under_any_mix(actions, num_blocks, budget, policy):
     for r in live:
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.params.max_tokens
+
+
+def _run_to_end(sched: Scheduler, request: Request, token: int = 7) -> list[int]:
+    """Run one request alone to the end; its block ids."""
+    sched.add_request(request)
+    out = step(sched, token)
+    blocks = list(out.scheduled[0].block_ids)
+    while sched.num_running or sched.num_waiting:
+        out = step(sched, token)
+        if out.scheduled:
+            blocks = list(out.scheduled[0].block_ids)
+    return blocks
+
+
+def test_freed_blocks_are_reused_before_fresh_ones():
+    """Without prefix caching nothing is worth keeping: one request after another keeps using the
+    same blocks, so the memory touched follows the load, not the pool's size."""
+    sched, bm = make_scheduler(num_blocks=64, prefix=False)
+    first = _run_to_end(sched, make_request(range(1, 9), max_tokens=4))
+    for offset in range(5):
+        again = _run_to_end(sched, make_request(range(20 + offset, 28 + offset), max_tokens=4))
+        assert sorted(again) == sorted(first)
+    assert bm.next_fresh == len(first) and bm.num_free_blocks == 64
+
+
+def test_prefix_cache_keeps_its_reserve_then_reuses_the_oldest():
+    sched, bm = make_scheduler(num_blocks=64)
+    assert bm.cache_reserve == 8
+    # Distinct 8-token prompts: each request holds 3 blocks, cached once full.
+    prompts = [list(range(100 * i + 1, 100 * i + 9)) for i in range(8)]
+    for prompt in prompts:
+        _run_to_end(sched, make_request(prompt, max_tokens=4))
+    # Freed, cached blocks pile up past the reserve (8), then the oldest are evicted rather than
+    # fresh blocks touched: 14 at most instead of 24 (fresh first).
+    assert len(bm.free_queue) <= bm.cache_reserve + 3
+    assert bm.next_fresh <= bm.cache_reserve + 2 * 3
+    # The most recent prompts' prefixes are still cached; the oldest one's are not.
+    newest = make_request(prompts[-1] + [5], max_tokens=1)
+    assert bm.get_computed_blocks(newest)[1] == 8
+    oldest = make_request(prompts[0] + [5], max_tokens=1)
+    assert bm.get_computed_blocks(oldest)[1] == 0
+    bm.check_invariants()
+
+
+def test_fresh_blocks_are_used_when_the_free_queue_holds_only_the_reserve():
+    sched, bm = make_scheduler(num_blocks=64, budget=64, max_num_seqs=16)
+    # Many requests at once need more blocks than have ever been freed: fresh ones, in order.
+    requests = [make_request(range(10 * i + 1, 10 * i + 9), max_tokens=2) for i in range(12)]
+    for request in requests:
+        sched.add_request(request)
+    out = step(sched)
+    ids = sorted(b for s in out.scheduled for b in s.block_ids)
+    assert ids == list(range(len(ids))) and bm.next_fresh == len(ids)

@@ -49,6 +49,7 @@ _ENGINE_SETTINGS = (
     "kv_cache_memory",
     "num_kv_blocks",
     "kv_cache_dtype",
+    "prefix_cache_reserve",
     "seed",
     "device",
 )

@@ -81,6 +81,13 @@ class ServeSettings(BaseSettings):
         description="KV cache storage dtype (auto: the weights'; bfloat16 under float32 weights "
         "halves attention's reads and the pool's bytes per token)",
     )
+    prefix_cache_reserve: float = Field(
+        0.125,
+        ge=0.0,
+        le=1.0,
+        description="share of the KV pool freed blocks may fill (prefix cache) before unused "
+        "blocks are touched; 1.0: the whole pool",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="waiting-queue order"
     )

@@ -32,8 +32,8 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
     llm:                                                 (llm only; the `qiao serve` engine flags)
       max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
       enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, kv_cache_dtype,
-      quantization, load_format, seed, scheduling_policy, cuda_graphs (torch's thread count
-      is per process: `qiao serve --num-threads`)
+      prefix_cache_reserve, quantization, load_format, seed, scheduling_policy, cuda_graphs
+      (torch's thread count is per process: `qiao serve --num-threads`)
 
 The result is a frozen `ModelConfigFile`; `batcher_values()` and `engine_kwargs()` turn it into the
 batcher's and the LLM engine's settings.
@@ -247,6 +247,7 @@ class LLMSettings(_Section):
     kv_cache_memory: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    prefix_cache_reserve: float = Field(0.125, ge=0.0, le=1.0)
     quantization: Literal["int8"] | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
