@@ -45,9 +45,12 @@ class LLMEngine:
         device = default_device() if config.device == "auto" else torch.device(config.device)
         # The tokenizer loads (mostly Python imports) on a worker thread while the weights load
         # (torch ops, which let go of the GIL): a second or two off every start. On the CPU the
-        # C++ kernels are found (or, once per machine, compiled) beside them, so that the first
-        # step, and a server's first request, never waits for a compiler.
-        with ThreadPoolExecutor(2, thread_name_prefix="qiao-loader") as pool:
+        # C++ kernels are then found (or, once per machine, compiled) on the same thread, so that
+        # the first step, and a server's first request, never waits for a compiler. One thread,
+        # not two: with the kernels loading (torch's extension machinery imports setuptools)
+        # beside the tokenizer, a start once failed in transformers' imports with "No module
+        # named 'regex'" (installed); the two no longer import at the same time.
+        with ThreadPoolExecutor(1, thread_name_prefix="qiao-loader") as pool:
             tokenizer = None
             if not mc.skip_tokenizer_init:
                 tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.path)
