@@ -73,9 +73,10 @@ class CacheConfig:
     # still computes in float32.
     kv_cache_dtype: str = "auto"
     # Share of the pool that freed blocks may fill (kept as prefix cache) before never-used
-    # blocks are handed out; past it the least recently freed are reused. The memory touched
-    # then follows the load; 1.0 fills the whole pool before reusing any freed block.
-    prefix_cache_reserve: float = 0.125
+    # blocks are handed out; past it the least recently freed are reused, so the memory touched
+    # follows the load. 1.0 (default): the whole pool is prefix cache before any cached block
+    # is evicted.
+    prefix_cache_reserve: float = 1.0
 
     def __post_init__(self) -> None:
         _require(
@@ -144,7 +145,7 @@ class EngineConfig:
         kv_cache_memory: float | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
-        prefix_cache_reserve: float = 0.125,
+        prefix_cache_reserve: float = 1.0,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         device: str = "auto",

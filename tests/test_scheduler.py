@@ -255,8 +255,10 @@ def test_freed_blocks_are_reused_before_fresh_ones():
 
 
 def test_prefix_cache_keeps_its_reserve_then_reuses_the_oldest():
-    sched, bm = make_scheduler(num_blocks=64)
-    assert bm.cache_reserve == 8
+    sched, _ = make_scheduler(num_blocks=64)
+    assert sched.block_manager.cache_reserve == 64  # default: the whole pool is prefix cache
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=True, cache_reserve=8)
+    sched = Scheduler(sched.config, bm)
     # Distinct 8-token prompts: each request holds 3 blocks, cached once full.
     prompts = [list(range(100 * i + 1, 100 * i + 9)) for i in range(8)]
     for prompt in prompts:

@@ -82,11 +82,12 @@ class ServeSettings(BaseSettings):
         "halves attention's reads and the pool's bytes per token)",
     )
     prefix_cache_reserve: float = Field(
-        0.125,
+        1.0,
         ge=0.0,
         le=1.0,
         description="share of the KV pool freed blocks may fill (prefix cache) before unused "
-        "blocks are touched; 1.0: the whole pool",
+        "blocks are touched; lower keeps the memory touched near the load (default 1.0: the "
+        "whole pool)",
     )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="waiting-queue order"

@@ -247,7 +247,7 @@ class LLMSettings(_Section):
     kv_cache_memory: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    prefix_cache_reserve: float = Field(0.125, ge=0.0, le=1.0)
+    prefix_cache_reserve: float = Field(1.0, ge=0.0, le=1.0)
     quantization: Literal["int8"] | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
