@@ -56,13 +56,12 @@ class BlockManager:
         cache_reserve: int | None = None,
     ) -> None:
         """`cache_reserve`: freed blocks kept (as prefix cache) before fresh ones are handed out;
-        default the whole pool with prefix caching, else none."""
+        default the whole pool. Without prefix caching nothing is kept."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        if cache_reserve is None:
-            cache_reserve = num_blocks if enable_prefix_caching else 0
-        self.cache_reserve = cache_reserve
+        reserve = num_blocks if cache_reserve is None else cache_reserve
+        self.cache_reserve = reserve if enable_prefix_caching else 0
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks handed out before and now unreferenced, least recently freed first (uncached
         # ones at the front). Cached ones keep their hash here.
@@ -175,21 +174,22 @@ class BlockManager:
             del self.free_queue[block.block_id]
         block.ref_cnt += 1
 
-    def _pop_free(self) -> KVBlock:
+    def _keeps_free_queue(self) -> bool:
+        """Whether the next allocation leaves the free queue alone: it is empty, or within the
+        reserve with a cached prefix at its evicting end."""
         queue = self.free_queue
-        fresh_left = self.next_fresh < self.num_blocks
-        if fresh_left and (
-            not queue
-            or (
-                len(queue) <= self.cache_reserve
-                and next(iter(queue.values())).block_hash is not None
-            )
-        ):
+        if not queue:
+            return True
+        oldest = next(iter(queue.values()))
+        return len(queue) <= self.cache_reserve and oldest.block_hash is not None
+
+    def _pop_free(self) -> KVBlock:
+        if self.next_fresh < self.num_blocks and self._keeps_free_queue():
             block = self.blocks[self.next_fresh]
             self.next_fresh += 1
             block.ref_cnt = 1
             return block
-        _, block = queue.popitem(last=False)
+        _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]

@@ -67,12 +67,11 @@ class LLMEngine:
         max_useful = config.scheduler.max_num_seqs * blocks_per_seq
         self.num_kv_blocks = self.runner.determine_num_blocks(cache, max_useful)
         self.runner.init_kv_cache(self.num_kv_blocks, cache.block_size)
-        reserve = round(cache.prefix_cache_reserve * self.num_kv_blocks)
         self.block_manager = BlockManager(
             self.num_kv_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            cache_reserve=reserve if cache.enable_prefix_caching else 0,
+            cache_reserve=round(cache.prefix_cache_reserve * self.num_kv_blocks),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)

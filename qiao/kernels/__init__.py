@@ -9,7 +9,6 @@ first request.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import threading
@@ -26,17 +25,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-# One build at a time: the engine asks from a loader thread while other code may ask too.
+# One build at a time: the engine asks from a loader thread while other code may ask too. Once
+# loaded, callers (every layer, every step) read _ops without taking the lock.
 _BUILD_LOCK = threading.Lock()
+_NOT_LOADED = object()
+_ops: ModuleType | object | None = _NOT_LOADED
 
 
 def cpu_ops() -> ModuleType | None:
-    with _BUILD_LOCK:
-        return _cpu_ops()
+    global _ops
+    if _ops is _NOT_LOADED:
+        with _BUILD_LOCK:
+            if _ops is _NOT_LOADED:
+                _ops = _load()
+    return _ops  # type: ignore[return-value]
 
 
-@functools.cache
-def _cpu_ops() -> ModuleType | None:
+def _load() -> ModuleType | None:
     if envs.disable_cpu_kernels():
         return None
     try:
