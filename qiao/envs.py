@@ -36,6 +36,5 @@ def disable_onednn_linear() -> bool:
 
 def kv_prefault() -> bool:
     """QIAO_KV_PREFAULT=0: leave the CPU KV pool to fault in on first use, instead of faulting
-    it in ahead of use on a low-priority (nice 10) thread from the engine's first step, up to
-    256 MiB beyond the highest block in use."""
+    all of it in on a background thread as soon as the engine is built."""
     return os.environ.get("QIAO_KV_PREFAULT", "1") not in ("", "0", "false")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -92,11 +91,11 @@ def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:
     order = _prefault_order(caches)
     block = 8192
     # Block order first, then layer, then K before V: every layer's first blocks come first.
-    assert order[:4] == [(0, 0, 64 * block, 0), (0, 64 * block, 64 * block, 0)] + [
-        (1, 0, 64 * block, 0),
-        (1, 64 * block, 64 * block, 0),
+    assert order[:4] == [(0, 0, 64 * block), (0, 64 * block, 64 * block)] + [
+        (1, 0, 64 * block),
+        (1, 64 * block, 64 * block),
     ]
-    covered = sum(length for _, _, length, _ in order)
+    covered = sum(length for _, _, length in order)
     assert covered == 2 * caches[0].numel() * 4
     before = [_resident_bytes(c.data_ptr()) for c in caches]
     thread = platform.prefault_in_background(caches, order)
@@ -113,7 +112,7 @@ def test_prefault_makes_the_pool_resident_in_the_given_order() -> None:
 def test_prefault_stops_when_the_pool_is_freed() -> None:
     from collections.abc import Sequence
 
-    class Endless(Sequence[tuple[int, int, int, int]]):
+    class Endless(Sequence[tuple[int, int, int]]):
         """A billion 4 KiB ranges over the pool's first 64 MiB: hours of work if never stopped."""
 
         def __len__(self) -> int:
@@ -122,7 +121,7 @@ def test_prefault_stops_when_the_pool_is_freed() -> None:
         def __getitem__(self, i):  # type: ignore[override]
             if i >= len(self):
                 raise IndexError(i)
-            return (0, (i % 2**14) * 4096, 4096, i)
+            return (0, (i % 2**14) * 4096, 4096)
 
     pool = platform.zeros((2**24,), torch.float32, torch.device("cpu"))  # 64 MiB
     thread = platform.prefault_in_background([pool], Endless())
@@ -131,32 +130,6 @@ def test_prefault_stops_when_the_pool_is_freed() -> None:
     del pool
     thread.join(timeout=10)
     assert not thread.is_alive()
-
-
-def test_paced_prefault_stays_near_use() -> None:
-    import os
-
-    if not os.path.exists("/proc/self/smaps"):
-        pytest.skip("no /proc here to read the resident size from")
-    mib = 2**20
-    pool = platform.zeros((2**24,), torch.float32, torch.device("cpu"))  # 64 MiB
-    ranges = [(0, i * 8 * mib, 8 * mib, i) for i in range(8)]  # position = 8 MiB chunk
-    pacer = platform.PrefaultPacer(ahead=2)
-    thread = platform.prefault_in_background([pool], ranges, pacer)
-    if thread is None:
-        pytest.skip("no background prefault on this platform")
-    deadline = time.monotonic() + 30
-    while pacer.waiting_at != 2 and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling the thread's state: it has no event of its own to wait on
-    if not thread.is_alive():
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    assert pacer.waiting_at == 2  # chunks 0 and 1 done, chunk 2 waits for use to come near
-    resident = _resident_bytes(pool.data_ptr())
-    assert 16 * mib <= resident < 24 * mib  # (plus a huge page at an unaligned start)
-    pacer.advance(6)  # use reached chunk 6: everything below 8 may go
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-    assert _resident_bytes(pool.data_ptr()) >= 64 * mib
 
 
 def test_generic_fast_tokenizer_skips_auto_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,17 +154,37 @@ def test_other_tokenizer_classes_still_go_through_auto_tokenizer(stories_dir: Pa
     assert tokenizer.encode("Once upon a time") == expected.encode("Once upon a time")
 
 
-def test_runner_faults_the_pool_in_from_its_first_step(tiny_checkpoint) -> None:
-    from qiao.entrypoints.llm import LLM
-    from qiao.sampling_params import SamplingParams
+def test_engine_faults_the_whole_pool_in_before_any_request(tiny_checkpoint) -> None:
+    import os
 
-    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64, device="cpu")
+    from qiao.entrypoints.llm import LLM
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc here to read the resident size from")
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=256, device="cpu")
     runner = llm.engine.runner
-    assert runner._prefault_pending  # not during start-up
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert not runner._prefault_pending
-    # The pacer knows how far use has come: the one block the request wrote.
-    assert runner._prefault_pacer is not None and runner._prefault_pacer._used >= 1
+    thread = runner.prefault_thread
+    if thread is None:
+        pytest.skip("no background prefault on this platform")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    # Every layer's pool resident, with no request served yet.
+    assert llm.engine.num_steps == 0
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    if (major, minor) < (5, 14):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    resident = [_resident_bytes(c.data_ptr()) for c in runner.kv_caches]
+    assert all(r >= c.nbytes for r, c in zip(resident, runner.kv_caches, strict=True))
+
+
+def test_kv_prefault_off_leaves_the_pool_to_first_use(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qiao.entrypoints.llm import LLM
+
+    monkeypatch.setenv("QIAO_KV_PREFAULT", "0")
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64, device="cpu")
+    assert llm.engine.runner.prefault_thread is None
 
 
 def test_serve_start_up_heap_is_frozen_and_collection_restored() -> None:
@@ -241,3 +234,21 @@ def test_concurrent_kernel_requests_share_one_build() -> None:
     with ThreadPoolExecutor(4) as pool:
         modules = list(pool.map(lambda _: cpu_ops(), range(8)))
     assert all(m is modules[0] for m in modules)
+
+
+def test_kernel_build_key_follows_the_instruction_set_only() -> None:
+    from qiao.kernels import _cpu_id
+
+    def cpuinfo(flags: str) -> str:
+        line = f"flags\t\t: fpu sse sse2 avx avx2 fma {flags}"
+        return f"processor\t: 0\nmodel name\t: AMD EPYC\n{line}\n\nprocessor\t: 1\n{line}\n"
+
+    base = _cpu_id(cpuinfo("hypervisor md_clear tsc_known_freq"))
+    # A VM's mitigation and hypervisor bits come and go; the code built here still runs.
+    assert _cpu_id(cpuinfo("tsc_known_freq")) == base
+    assert _cpu_id(cpuinfo("hypervisor arch_capabilities flush_l1d")) == base
+    # An extension the compiler would use is a different build.
+    assert _cpu_id(cpuinfo("hypervisor avx512f avx512bw")) != base
+    assert _cpu_id(cpuinfo("")) == b"avx avx2 fma sse sse2"
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve\n"
+    assert _cpu_id(arm) == b"aes asimd evtstrm fp sve"

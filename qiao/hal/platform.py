@@ -10,6 +10,7 @@ import mmap
 import os
 import platform as _host
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,91 +140,58 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 # madvise(2) advice: fault a range in writable without touching it (Linux 5.14+).
 _MADV_POPULATE_WRITE = 23
-_PREFAULT_NICE = 10
-
-
-class PrefaultPacer:
-    """How far a background prefault may run ahead of use. Ranges carry a position in the
-    caller's unit (KV blocks, say); one at `position` goes ahead once `position < used + ahead`,
-    and the user of the memory calls `advance(used)` as use grows.
-
-    Faulting a whole pool at once costs a core for seconds (2.4 GiB: ~7 s here) and, under load,
-    a tenth of one for over a minute even at nice 10: every step that long is slower. Paced,
-    the same work spreads out with demand, and a pool that is never filled is never faulted in.
-    """
-
-    def __init__(self, ahead: int) -> None:
-        self.ahead = ahead
-        self.waiting_at: int | None = None  # the position the prefault waits at, if it does
-        self._used = 0
-        self._cond = threading.Condition()
-
-    def advance(self, used: int) -> None:
-        if used > self._used:  # one writer; a stale read only delays the notify by a step
-            with self._cond:
-                self._used = used
-                self._cond.notify_all()
-
-    def wait_until_near(self, position: int, timeout: float) -> bool:
-        """Wait until `position` is within `ahead` of use; False on timeout."""
-        with self._cond:
-            self.waiting_at = position
-            near = self._cond.wait_for(lambda: position < self._used + self.ahead, timeout)
-            self.waiting_at = None
-            return near
 
 
 def prefault_in_background(
-    tensors: Sequence[torch.Tensor],
-    ranges: Sequence[tuple[int, int, int, int]],
-    pacer: PrefaultPacer | None = None,
+    tensors: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], what: str = "memory"
 ) -> threading.Thread | None:
-    """Fault in CPU memory that `zeros` mapped lazily, on a low-priority thread (nice 10: idle
-    cores first, about a tenth of a busy one), so the first writes to it later do not stop for
-    page faults.
+    """Fault in CPU memory that `zeros` mapped lazily, on a background thread, so that later
+    first writes to it never stop for page faults. Returns the thread; None off Linux.
 
-    `ranges` are (tensor index, byte offset, byte length, position), populated in the order
-    given (the order the memory will be used in); with a `pacer`, each waits until its position
-    is near use. On a VM whose host backs guest memory lazily, a fresh 2 MiB page faults in
-    ~5 ms, and a KV pool's K and V of every layer reach a new huge page in the same step: one
-    step in ~40 stalls for ~0.3 s, which is a serving p99 latency. The thread holds the tensors
-    weakly and stops once one is freed, or at the first range the kernel refuses (no
-    MADV_POPULATE_WRITE before Linux 5.14). Returns the thread; None off Linux.
+    `ranges` are (tensor index, byte offset, byte length), populated in the order given (put
+    what is used first, first). The thread holds the tensors weakly and stops once one is
+    freed, or at the first range the kernel refuses (no MADV_POPULATE_WRITE before Linux
+    5.14); it logs the size and time once done.
+
+    All of it at once, at normal priority, not paced with use: on a VM whose host backs guest
+    memory lazily, a fresh 2 MiB page costs ~3 ms of a core (2 GiB: 6 s here), and with the pool
+    faulted in just ahead of use (256 MiB ahead, nice 10) a fresh 135M-model server's steps ran
+    ~10-17 % slower for the minutes its first pass through a 2.4 GiB pool took; faulted in before
+    the load came, they ran at warm speed from the first (README, "Where the time goes").
     """
     if not tensors or _host.system() != "Linux":
         return None
     refs = [weakref.ref(t) for t in tensors]
     thread = threading.Thread(
-        target=_prefault, args=(refs, ranges, pacer), name="qiao-prefault", daemon=True
+        target=_prefault, args=(refs, ranges, what), name="qiao-prefault", daemon=True
     )
     thread.start()
     return thread
 
 
 def _prefault(
-    refs: list[weakref.ref[torch.Tensor]],
-    ranges: Sequence[tuple[int, int, int, int]],
-    pacer: PrefaultPacer | None,
+    refs: list[weakref.ref[torch.Tensor]], ranges: Sequence[tuple[int, int, int]], what: str
 ) -> None:
-    # Not SCHED_IDLE: a server under steady load never leaves a core idle (its compute threads
-    # spin between parallel regions), and the pool would fault in on the critical path anyway.
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _PREFAULT_NICE)  # this thread
     libc = ctypes.CDLL(None, use_errno=True)  # calls through it release the GIL
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    for index, offset, length, position in ranges:
-        if pacer is not None:
-            while not pacer.wait_until_near(position, timeout=1.0):
-                if refs[index]() is None:
-                    return  # freed while waiting for use to come near
+    start_time = time.monotonic()
+    done = 0
+    for index, offset, length in ranges:
         tensor = refs[index]()
         if tensor is None:
             return  # freed: nothing left worth faulting in
         start = tensor.data_ptr() + offset
         aligned = start - start % page
         if madvise(aligned, start + length - aligned, _MADV_POPULATE_WRITE) != 0:
-            logger.debug("KV pool prefault stopped: %s", os.strerror(ctypes.get_errno()))
+            logger.debug("%s prefault stopped: %s", what, os.strerror(ctypes.get_errno()))
             return
         del tensor
+        done += length
+    logger.info(
+        "%s resident: %.0f MiB faulted in, %.1f s",
+        what,
+        done / 2**20,
+        time.monotonic() - start_time,
+    )

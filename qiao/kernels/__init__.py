@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -61,8 +62,11 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     source = _SOURCE.read_bytes()
-    # One build per source text, torch version and machine (the code is built for this CPU).
-    key = hashlib.sha256(source + torch.__version__.encode() + _cpu_id()).hexdigest()[:16]
+    # One build per source text and place, torch version and machine (the code is built for
+    # this CPU). The place, since torch's build file names the source's path: two checkouts
+    # sharing a directory rebuilt it (a minute each, silently) every time either was used.
+    ident = source + str(_SOURCE.resolve()).encode() + torch.__version__.encode() + _cpu_id()
+    key = hashlib.sha256(ident).hexdigest()[:16]
     build_dir = envs.cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not (build_dir / "qiao_cpu_ops.so").exists()
@@ -92,13 +96,29 @@ def _build() -> ModuleType:
     return module
 
 
-def _cpu_id() -> bytes:
-    try:
-        flags = [
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ]
-        return flags[0].encode() if flags else b""
-    except OSError:
-        return b""
+# /proc/cpuinfo flags naming instruction-set extensions, the ones -march=native builds for. The
+# others (mitigations, hypervisor and power-management bits) change under a VM without changing
+# what code runs here; keyed on the whole line, the build cache missed twice in one day on this
+# machine and a server start waited a minute for the compiler.
+_ISA_FLAG = re.compile(
+    r"^(sse|ssse|avx|fma|f16c|bmi|abm|lzcnt|popcnt|movbe|aes|pclmul|vpclmul|vaes|gfni|sha|adx"
+    r"|rdrand|rdseed|cx16|xsave|clflushopt|clwb|amx|movdir|serialize|prefetchw|3dnowprefetch"
+    r"|tbm|xop|sse4a|waitpkg|cldemote|ptwrite|rdpid|wbnoinvd|pku|ospke|lm$)"
+)
+
+
+def _cpu_id(cpuinfo: str | None = None) -> bytes:
+    """The instruction-set extensions of this CPU (`cpuinfo`: /proc/cpuinfo's text), sorted:
+    on x86 the flags _ISA_FLAG names, on Arm every listed feature."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return b""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return " ".join(sorted(f for f in value.split() if _ISA_FLAG.match(f))).encode()
+        if name.strip() == "Features":
+            return " ".join(sorted(value.split())).encode()
+    return b""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -33,9 +34,6 @@ from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# How far the CPU KV pool is faulted in ahead of the highest block in use (see PrefaultPacer).
-PREFAULT_AHEAD_BYTES = 256 << 20
 
 
 class ModelRunner:
@@ -73,8 +71,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self._prefault_pending = False  # set by init_kv_cache on the CPU
-        self._prefault_pacer: platform.PrefaultPacer | None = None
+        self.prefault_thread: threading.Thread | None = None  # the CPU KV pool's (init_kv_cache)
         self.block_size = 16
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -125,12 +122,13 @@ class ModelRunner:
         ]
         self.block_size = block_size
         self.model.bind_kv_caches(self.kv_caches)
-        # Started by the first step, not here: faulting in beside start-up slowed it (~0.4 s
-        # of 5 on 2 cores), and a server is ready before its first request anyway.
-        self._prefault_pending = self.device.type == "cpu" and envs.kv_prefault()
-        if self._prefault_pending:
-            ahead = PREFAULT_AHEAD_BYTES // self.kv_bytes_per_block(block_size)
-            self._prefault_pacer = platform.PrefaultPacer(max(1, ahead))
+        if self.device.type == "cpu" and envs.kv_prefault():
+            # Now, not at start-up's beginning (it would slow the load beside it) nor paced
+            # with use (see prefault_in_background): the engine is built, so at most the last
+            # moments of a start share a core with it.
+            self.prefault_thread = platform.prefault_in_background(
+                self.kv_caches, _prefault_order(self.kv_caches), "KV pool"
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s)",
             num_blocks,
@@ -162,11 +160,6 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
-        if self._prefault_pending:
-            self._prefault_pending = False
-            platform.prefault_in_background(
-                self.kv_caches, _prefault_order(self.kv_caches), self._prefault_pacer
-            )
         hidden = None
         if self.decode_graphs is not None:
             # Row i is sequence i's one token, or None: not pure decode, or no bucket fits.
@@ -218,10 +211,6 @@ class ModelRunner:
             block_tables[i, : len(s.block_ids)] = s.block_ids
         bs = self.block_size
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
-        if self._prefault_pacer is not None:
-            # Fresh blocks are handed out in id order: the highest block written is how far
-            # into the pool use has come.
-            self._prefault_pacer.advance(int(slot_mapping.max()) // bs + 1)
 
         def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return to_device_async(array, self.device, dtype)
@@ -260,9 +249,9 @@ class ModelRunner:
         return out
 
 
-def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
-    """(cache index, byte offset, byte length, first block) of every layer's K and V, ~2 MiB
-    of blocks at a time in block order: the order the block manager hands fresh blocks out in."""
+def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(cache index, byte offset, byte length) of every layer's K and V, ~2 MiB of blocks at a
+    time in block order: the order the block manager hands fresh blocks out in."""
     _, num_blocks, *_ = caches[0].shape
     block_bytes = caches[0][0, 0].numel() * caches[0].element_size()
     step = max(1, (2 << 20) // block_bytes)
@@ -271,7 +260,6 @@ def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int, int
             index,
             (kv * num_blocks + first) * block_bytes,
             min(step, num_blocks - first) * block_bytes,
-            first,
         )
         for first in range(0, num_blocks, step)
         for index in range(len(caches))
