@@ -6,9 +6,11 @@
 #   scripts/serve_sweep.sh [OUTDIR]          (default docs/results)
 #
 # Environment knobs (defaults in brackets): SHAPE [smollm2-135m], RATES [1.2,1.3,1.4],
-# PROMPTS per rate [300], INPUT_LEN [128], OUTPUT_LEN [128], SERVE_ARGS (extra `qiao serve`
-# flags) [--max-num-batched-tokens 80: the budget `qiao tune --itl-slo 0.25` picks for the
-# 135M shape on a 2-core machine, a full step at ~80 % of the 250 ms ITL SLO], PORT [8731].
+# PROMPTS per run [300], REPEAT runs per rate, each with its own arrivals, the report giving
+# their medians [3; three rates take ~40 min on 2 cores], INPUT_LEN [128], OUTPUT_LEN [128],
+# SERVE_ARGS (extra `qiao serve` flags) [--max-num-batched-tokens 80: the budget
+# `qiao tune --itl-slo 0.25` picks for the 135M shape on a 2-core machine, a full step at ~80 %
+# of the 250 ms ITL SLO], PORT [8731].
 # Requests sample greedily (--temperature 0), as the offline `qiao bench throughput` does.
 # The shape has no tokenizer of its own; the script writes a word-level one (see below).
 set -euo pipefail
@@ -18,6 +20,7 @@ OUTDIR=${1:-docs/results}
 SHAPE=${SHAPE:-smollm2-135m}
 RATES=${RATES:-1.2,1.3,1.4}
 PROMPTS=${PROMPTS:-300}
+REPEAT=${REPEAT:-3}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 SERVE_ARGS=${SERVE_ARGS:---max-num-batched-tokens 80}
@@ -63,6 +66,6 @@ READY=$(( ($(date +%s%N) - START) / 1000000 ))
 echo "server ready after ${READY} ms (process start to /health/ready answering 200; includes the readiness poll, <= 0.2 s late)" | tee "$OUTDIR/serve_ready.txt"
 
 .venv/bin/qiao bench serve --base-url "http://127.0.0.1:$PORT" --request-rates "$RATES" \
-    --num-prompts "$PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+    --num-prompts "$PROMPTS" --repeat "$REPEAT" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
     --temperature 0 --slo-ttft 2.0 --slo-itl 0.25 \
     --json "$OUTDIR/serve_$SHAPE.json" --plot "$OUTDIR/serve_$SHAPE.png"

@@ -484,6 +484,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s")
     p.add_argument("--slo-itl", type=float, default=0.25, help="goodput SLO on mean ITL, s")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    p.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        help="runs per rate, each with its own arrivals and prompts, taken round by round; "
+        "the report gives each rate's medians and the SLO verdict on them (default 1)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of latency percentiles vs rate")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -512,6 +519,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl,
         seed=args.seed,
+        repeat=args.repeat,
         show_progress=not args.no_progress,
     )
     report = run_serve(cfg)

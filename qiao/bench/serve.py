@@ -47,6 +47,8 @@ class ServeConfig:
     slo_ttft: float = 2.0
     slo_itl: float = 0.25
     seed: int = 0
+    # Runs per rate, each with its own seed; the report gives each rate's medians.
+    repeat: int = 1
     show_progress: bool = True
 
 
@@ -195,7 +197,12 @@ async def _guarded(
 
 
 async def run_rate(
-    client: httpx.AsyncClient, cfg: ServeConfig, model: str, rate: float, jobs: list[Job]
+    client: httpx.AsyncClient,
+    cfg: ServeConfig,
+    model: str,
+    rate: float,
+    jobs: list[Job],
+    label: str = "",
 ) -> tuple[list[RequestResult], float]:
     """Fire `jobs` at their arrival times; return the results and the wall time to the last
     completion."""
@@ -203,7 +210,8 @@ async def run_rate(
 
     gate = asyncio.Semaphore(cfg.max_concurrency or len(jobs) or 1)
     start = time.perf_counter()
-    bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", disable=not cfg.show_progress)
+    desc = f"rate {rate:g} req/s{label}"
+    bar = tqdm(total=len(jobs), desc=desc, disable=not cfg.show_progress)
 
     async def fire(job: Job) -> RequestResult:
         await asyncio.sleep(max(0.0, start + job.arrival - time.perf_counter()))
@@ -227,17 +235,24 @@ def _client(cfg: ServeConfig) -> httpx.AsyncClient:
 
 
 async def run_serve_async(cfg: ServeConfig) -> dict[str, Any]:
-    from qiao.bench.serve_report import summarize
+    from qiao.bench.serve_report import median_of_runs, summarize
 
     # Accept http://host:port, .../ and .../v1 alike.
     cfg = dataclasses.replace(cfg, base_url=cfg.base_url.rstrip("/").removesuffix("/v1"))
+    rates = cfg.request_rates
+    runs: list[list[dict[str, Any]]] = [[] for _ in rates]
     async with _client(cfg) as client:
         model = await resolve_model(client, cfg)
-        per_rate = []
-        for index, rate in enumerate(cfg.request_rates):
-            jobs = make_jobs(cfg, rate, cfg.seed + index)
-            results, seconds = await run_rate(client, cfg, model, rate, jobs)
-            per_rate.append(summarize(rate, results, seconds, cfg.slo_ttft, cfg.slo_itl))
+        # Round by round (every rate once, then again), so a drift in the server's speed
+        # touches every rate alike. Seeds: rate i of round k takes seed + i + k * len(rates),
+        # so round 0 is what a single run sends.
+        for k in range(cfg.repeat):
+            label = f", run {k + 1}/{cfg.repeat}" if cfg.repeat > 1 else ""
+            for index, rate in enumerate(rates):
+                jobs = make_jobs(cfg, rate, cfg.seed + index + k * len(rates))
+                results, seconds = await run_rate(client, cfg, model, rate, jobs, label)
+                runs[index].append(summarize(rate, results, seconds, cfg.slo_ttft, cfg.slo_itl))
+    per_rate = [r[0] if cfg.repeat == 1 else median_of_runs(r) for r in runs]
     return {"config": _config_dict(cfg), "model": model, "rates": per_rate}
 
 

@@ -14,6 +14,16 @@ if TYPE_CHECKING:
 
 PERCENTILES = (50, 90, 99)
 _METRICS = (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+# A run's scalars that repeats of a rate report the median of.
+_PER_RUN = (
+    "duration_s",
+    "num_output_tokens",
+    "num_prompt_tokens",
+    "request_throughput",
+    "output_token_throughput",
+    "total_token_throughput",
+    "goodput",
+)
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -64,6 +74,32 @@ def summarize(
     }
 
 
+def median_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rate's figures over repeated runs (each its own arrivals and prompts): the median of
+    every throughput and percentile, counts and errors summed, the runs themselves under "runs".
+    A p99 over 300 requests is the third-worst of them, so one burst of arrivals moves it by
+    seconds; the median of a few runs is what a rate holds."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return float(np.median(known)) if len(known) == len(values) else None
+
+    errors: Counter[str] = Counter()
+    for run in runs:
+        errors.update(run["errors"])
+    out: dict[str, Any] = {"request_rate": runs[0]["request_rate"], "num_runs": len(runs)}
+    for key in ("num_requests", "num_completed", "num_errors"):
+        out[key] = sum(run[key] for run in runs)
+    out["errors"] = dict(errors.most_common(5))
+    for key in _PER_RUN:
+        out[key] = median([run[key] for run in runs])
+    out["slo"] = runs[0]["slo"]
+    for key, _ in _METRICS:
+        out[key] = {stat: median([run[key][stat] for run in runs]) for stat in runs[0][key]}
+    out["runs"] = runs
+    return out
+
+
 def meets_p99_slo(rate: dict[str, Any]) -> bool:
     """Whether a rate's run held the SLO at the tail: every request completed, p99 TTFT <= the
     TTFT SLO and p99 inter-token latency <= the ITL SLO."""
@@ -79,7 +115,8 @@ def meets_p99_slo(rate: dict[str, Any]) -> bool:
 
 
 def max_rate_within_p99_slo(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The highest offered rate whose run met the SLO at p99 (None: no rate did)."""
+    """The highest offered rate whose run (with repeats: whose medians) met the SLO at p99
+    (None: no rate did)."""
     passing = [r for r in report["rates"] if meets_p99_slo(r)]
     if not passing:
         return None
@@ -95,7 +132,8 @@ def format_serve(report: dict[str, Any]) -> str:
     lines = [
         f"serve: {c['base_url']} model {report['model']!r}, /{c['endpoint']}, input "
         f"{c['input_len']} words, output {c['output_len']} tokens; "
-        f"SLO TTFT <= {c['slo_ttft']} s, mean ITL <= {c['slo_itl']} s",
+        f"SLO TTFT <= {c['slo_ttft']} s, mean ITL <= {c['slo_itl']} s"
+        + (f"; medians of {c['repeat']} runs per rate" if c.get("repeat", 1) > 1 else ""),
         f"{'rate':>6} {'done':>5} {'err':>4} {'req/s':>7} {'tok/s':>8} {'good/s':>7}  "
         + "  ".join(f"{name + ' p50/p90/p99 ms':>24}" for _, name in _METRICS),
     ]
@@ -106,6 +144,11 @@ def format_serve(report: dict[str, Any]) -> str:
             f"{r['request_throughput']:>7.2f} {r['output_token_throughput']:>8.1f} "
             f"{r['goodput']:>7.2f}  " + "  ".join(f"{cell:>24}" for cell in cells)
         )
+        if "runs" in r:
+            tails = ", ".join(
+                f"{_ms(run['ttft_s']['p99'])}/{_ms(run['itl_s']['p99'])}" for run in r["runs"]
+            )
+            lines.append(f"       runs' p99 TTFT/ITL ms: {tails}")
         lines.extend(f"       error x{n}: {msg}" for msg, n in r["errors"].items())
     best = max_rate_within_p99_slo(report)
     lines.append(
