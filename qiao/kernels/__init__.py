@@ -103,7 +103,7 @@ def _build() -> ModuleType:
 _ISA_FLAG = re.compile(
     r"^(sse|ssse|avx|fma|f16c|bmi|abm|lzcnt|popcnt|movbe|aes|pclmul|vpclmul|vaes|gfni|sha|adx"
     r"|rdrand|rdseed|cx16|xsave|clflushopt|clwb|amx|movdir|serialize|prefetchw|3dnowprefetch"
-    r"|tbm|xop|sse4a|waitpkg|cldemote|ptwrite|rdpid|wbnoinvd|pku|ospke|lm$)"
+    r"|tbm|xop|waitpkg|cldemote|ptwrite|rdpid|wbnoinvd|pku|ospke|lm$)"
 )
 
 
