@@ -34,6 +34,12 @@ def disable_onednn_linear() -> bool:
     return os.environ.get("QIAO_DISABLE_ONEDNN_LINEAR", "0") not in ("", "0", "false")
 
 
+def disable_packed_linear() -> bool:
+    """QIAO_DISABLE_PACKED_LINEAR=1: CPU float32 linear layers use oneDNN's prepacked matmul
+    instead of qiao's AVX-512 kernel over its own packed weight."""
+    return os.environ.get("QIAO_DISABLE_PACKED_LINEAR", "0") not in ("", "0", "false")
+
+
 def kv_prefault() -> bool:
     """QIAO_KV_PREFAULT=0: leave the CPU KV pool to fault in on first use, instead of faulting
     all of it in on a background thread as soon as the engine is built."""

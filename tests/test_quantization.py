@@ -1,4 +1,5 @@
-"""Linear methods: oneDNN-packed float32 and weight-only int8, against their references.
+"""Linear methods: qiao-packed and oneDNN-packed float32 and weight-only int8, against their
+references.
 
 The int8 quality bounds are the figures `qiao bench quality` measured on the real stories260K
 weights (12 prompts x 64 greedy tokens: 5/12 outputs identical, mean agreeing prefix 45.8 tokens;
@@ -21,13 +22,19 @@ from qiao.layers.linear import LinearBase
 from qiao.layers.linear_method import (
     Int8Method,
     OneDnnMethod,
+    PackedF32Method,
+    choose_method,
     int8_linear_reference,
     onednn_linear_available,
+    packed_f32_ops,
     quantize_int8,
 )
 
 ops = cpu_ops()
 needs_ops = pytest.mark.skipif(ops is None, reason="C++ CPU kernels could not be built here")
+needs_packed = pytest.mark.skipif(
+    packed_f32_ops(torch.empty(1)) is None, reason="no AVX-512 build of the C++ kernels here"
+)
 
 
 def _layer(n: int, k: int, bias: bool, seed: int = 0) -> LinearBase:
@@ -95,6 +102,65 @@ def test_onednn_packed_linear_matches_f_linear(rows):
     layer.method.prepare(layer)
     x = torch.randn(rows, 80)
     torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 130, 300])
+@pytest.mark.parametrize("n,k", [(96, 80), (33, 17), (16, 5), (64, 1536)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_f32_linear_matches_f_linear(rows, n, k, bias):
+    # Row counts around the 8-row tile and the 128-row panel; feature counts off the 32-wide block.
+    layer = _layer(n, k, bias=bias)
+    dense = layer.weight.detach().clone()
+    layer.method = PackedF32Method(ops)
+    layer.method.prepare(layer)
+    assert layer.weight.shape == ((n + 31) // 32, k, 32)
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, 3, k)[:, :, :]  # leading dims kept, as F.linear keeps them
+    torch.testing.assert_close(layer(x3), F.linear(x3, dense, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_packed_f32_linear_rejects_a_mismatched_input():
+    if packed_f32_ops(torch.empty(1)) is None:
+        pytest.skip("no AVX-512 build of the C++ kernels here")
+    packed = ops.pack_linear_f32(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_f32(torch.randn(2, 17), packed, 40, torch.empty(0))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_f32(torch.randn(2, 16), packed, 80, torch.empty(0))
+
+
+def test_cpu_linear_method_choice(monkeypatch):
+    w32 = torch.randn(8, 8)
+    expected = PackedF32Method if packed_f32_ops(w32) is not None else OneDnnMethod
+    if expected is OneDnnMethod and not onednn_linear_available():
+        pytest.skip("neither the packed kernel nor oneDNN here")
+    assert type(choose_method(w32, quantization=None, batch_hint=64)) is expected
+    if onednn_linear_available():
+        bf16 = choose_method(w32.bfloat16(), quantization=None, batch_hint=64)
+        assert type(bf16) is OneDnnMethod
+        monkeypatch.setenv("QIAO_DISABLE_PACKED_LINEAR", "1")
+        assert type(choose_method(w32, quantization=None, batch_hint=64)) is OneDnnMethod
+    assert type(choose_method(w32, quantization="int8", batch_hint=64)) is Int8Method
+
+
+@needs_packed
+def test_tied_float32_head_is_packed_without_touching_the_embedding(tiny_checkpoint):
+    from qiao.models.arch_config import load_arch_config
+    from qiao.models.loader import load_model
+
+    path = tiny_checkpoint("qwen3")  # tied embeddings
+    arch = load_arch_config(path)
+    cpu = torch.device("cpu")
+    model = load_model(path, arch, dtype=torch.float32, device=cpu, quantization=None)
+    assert isinstance(model.lm_head.method, PackedF32Method)
+    embedding = model.model.embed_tokens.weight
+    assert embedding.shape == (arch.vocab_size, arch.hidden_size)
+    hidden = torch.randn(5, arch.hidden_size)
+    torch.testing.assert_close(
+        model.lm_head(hidden), F.linear(hidden, embedding), atol=1e-4, rtol=1e-5
+    )
 
 
 def test_tied_head_is_converted_without_touching_the_embedding(tiny_checkpoint):
