@@ -16,13 +16,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from qiao.bench.cli import add_bench_subcommands
 from qiao.bench.common import LengthSpec, build_llm, context_len, model_dir
 from qiao.bench.flops import sequence_flops, token_flops
+from qiao.bench.hw import impls_for
 from qiao.bench.serve import ServeConfig, make_jobs
 from qiao.bench.shapes import SHAPES, shape_config
 from qiao.cli import main
+from qiao.layers.linear_method import packed_f32_ops
 from qiao.models.arch_config import ArchConfig
 
 STORIES_DIR = (Path(__file__).parents[1] / "../shared/models/stories260K-hf").resolve()
@@ -163,6 +166,10 @@ def test_hw_reports_bandwidth_and_ceilings(tmp_path: Path) -> None:
     assert all(m["gflops"] > 0 and m["weight_gbps"] > 0 for m in report["matmuls"])
     assert report["ceiling_gflops"]["int8"] > 0
     assert {m["impl"] for m in report["matmuls"] if m["dtype"] == "int8"} == {"qiao"}
+    float32_impls = {m["impl"] for m in report["matmuls"] if m["dtype"] == "float32"}
+    assert float32_impls == set(impls_for("float32"))
+    if packed_f32_ops(torch.empty(0)) is not None:  # the float32 layers' own kernel is timed
+        assert "qiao" in float32_impls
 
 
 def test_throughput_with_hf_comparison(tmp_path: Path) -> None:

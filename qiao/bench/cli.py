@@ -257,7 +257,8 @@ def _add_hw(sub: argparse._SubParsersAction) -> None:
         default="float32,bfloat16,int8",
         help="comma-separated: float32, bfloat16, float16, int8 (int8 = qiao's weight-only "
         "int8 linear); float32 and bfloat16 are timed as F.linear and as oneDNN with the "
-        "weight prepacked, the ceiling being the faster; default %(default)s",
+        "weight prepacked, float32 also as qiao's packed AVX-512 kernel where built, the "
+        "ceiling being the fastest; default %(default)s",
     )
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, less accurate)")
     p.add_argument(

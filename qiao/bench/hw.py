@@ -15,7 +15,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qiao.layers.linear import LinearBase
-from qiao.layers.linear_method import DenseMethod, Int8Method, OneDnnMethod, onednn_linear_available
+from qiao.layers.linear_method import (
+    DenseMethod,
+    Int8Method,
+    LinearMethod,
+    OneDnnMethod,
+    PackedF32Method,
+    onednn_linear_available,
+    packed_f32_ops,
+)
 from qiao.profile import cpu_model
 
 # (M, K, N): activations [M, K] times weights [K, N]. Decode multiplies a few rows by a weight
@@ -31,7 +39,7 @@ QUICK_COPY_MIB = 32
 @dataclass(frozen=True)
 class MatmulResult:
     dtype: str  # "int8": qiao's weight-only int8 (int8 weights, per-channel scales)
-    impl: str  # "torch" (F.linear), "onednn" (weight prepacked once), "qiao" (int8 method)
+    impl: str  # "torch" (F.linear), "onednn" (weight prepacked once), "qiao" (qiao's kernels)
     m: int
     k: int
     n: int
@@ -85,9 +93,12 @@ def impls_for(dtype: str) -> tuple[str, ...]:
     """The ways this machine multiplies in `dtype`; the ceiling is the best of them."""
     if dtype == "int8":
         return ("qiao",)
+    impls = ["torch"]
     if dtype in ("float32", "bfloat16") and onednn_linear_available():
-        return ("torch", "onednn")
-    return ("torch",)
+        impls.append("onednn")
+    if dtype == "float32" and packed_f32_ops(torch.empty(0)) is not None:
+        impls.append("qiao")
+    return tuple(impls)
 
 
 def measure_matmul(
@@ -115,10 +126,21 @@ def _linear(dtype: str, k: int, n: int, impl: str) -> LinearBase:
     layer = LinearBase(k, n, bias=False)
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     layer.weight.data = weight.to(torch.float32 if dtype == "int8" else getattr(torch, dtype))
-    methods = {"torch": DenseMethod, "onednn": lambda: OneDnnMethod(64), "qiao": Int8Method}
-    layer.method = methods[impl]()
+    layer.method = _method(dtype, impl)
     layer.method.prepare(layer)
     return layer
+
+
+def _method(dtype: str, impl: str) -> LinearMethod:
+    if impl == "torch":
+        return DenseMethod()
+    if impl == "onednn":
+        return OneDnnMethod(64)
+    if dtype == "int8":
+        return Int8Method()
+    ops = packed_f32_ops(torch.empty(0))
+    assert ops is not None, "impls_for offers qiao float32 only where the kernel exists"
+    return PackedF32Method(ops)
 
 
 @torch.inference_mode()
