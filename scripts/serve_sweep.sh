@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving benchmark on a built-in model shape (random weights): start `qiao serve` on 127.0.0.1,
-# wait for its KV pool to be resident, sweep open-loop Poisson request rates with `qiao bench serve`, write the JSON report and the
-# latency-vs-rate plot, stop the server.
+# wait for its KV pool to be resident, sweep open-loop Poisson request rates with
+# `qiao bench serve`, write the JSON report and the latency-vs-rate plot, stop the server.
 #
 #   scripts/serve_sweep.sh [OUTDIR]          (default docs/results)
 #
@@ -66,7 +66,7 @@ READY=$(( ($(date +%s%N) - START) / 1000000 ))
 echo "server ready after ${READY} ms (process start to /health/ready answering 200; includes the readiness poll, <= 0.2 s late)" | tee "$OUTDIR/serve_ready.txt"
 
 # Steady state: load starts once the server logs its KV pool resident (faulted in by a background
-# thread from the moment the engine is built, ~8 s after ready on 2 cores; load arriving while
+# thread from the moment the engine is built, 8-20 s after ready on 2 cores; load arriving while
 # it runs slows both). QIAO_KV_PREFAULT=0 servers never log it: 60 s at most.
 for attempt in $(seq 1 600); do
     grep -q "KV pool resident" "$OUTDIR/serve_sweep_server.log" && break

@@ -83,19 +83,16 @@ class PackedF32Method(LinearMethod):
 
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
-        self.out_features = 0
 
     def prepare(self, layer: LinearBase) -> None:
-        weight = layer.weight.detach()
-        self.out_features = weight.shape[0]
-        _replace_weight(layer, self.ops.pack_linear_f32(weight.contiguous()))
+        _replace_weight(layer, self.ops.pack_linear_f32(layer.weight.detach().contiguous()))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()
         bias = layer.bias if layer.bias is not None else _EMPTY
-        out = self.ops.linear_f32(rows, layer.weight, self.out_features, bias)
-        return out.reshape(*shape[:-1], self.out_features)
+        out = self.ops.linear_f32(rows, layer.weight, layer.output_size, bias)
+        return out.reshape(*shape[:-1], layer.output_size)
 
 
 class Int8Method(LinearMethod):

@@ -205,10 +205,13 @@ class TorchEncoder(_TokenizingEncoder):
 
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose weight is stored and multiplied the way `choose_method` picks for
-    this device (on the CPU: oneDNN, weight prepacked once), as qiao's LLM layers do."""
+    this device (on the CPU: qiao's packed float32 kernel, or oneDNN, weight prepacked once), as
+    qiao's LLM layers do. It carries what a method reads of `LinearBase`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        self.input_size = linear.in_features
+        self.output_size = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         # Encoder batches are a few to a few hundred rows of tokens.
