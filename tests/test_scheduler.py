@@ -284,3 +284,215 @@ def test_fresh_blocks_are_used_when_the_free_queue_holds_only_the_reserve():
     out = step(sched)
     ids = sorted(b for s in out.scheduled for b in s.block_ids)
     assert ids == list(range(len(ids))) and bm.next_fresh == len(ids)
+
+
+# --- a randomized run against "the model": every request ends as it would alone ----------------
+
+VOCAB = 23
+EOS = 0
+
+
+class KVModel:
+    """A fake model that reads its context from the paged cache, as attention does.
+
+    The K/V "written" at position p mixes the token at p with the values at every position
+    before it, each read through the request's block table; the next token is the last value
+    mod VOCAB. A position read before it was written, a stale block from another request, or a
+    prefix-cache hit on a block that was never computed changes the values, and with them every
+    later token.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.slots: list[list[int | None]] = [[None] * BLOCK for _ in range(num_blocks)]
+
+    def forget(self, block_id: int) -> None:
+        """A block handed out for new content holds anything: read unwritten, it fails."""
+        self.slots[block_id] = [None] * BLOCK
+
+    def _context(self, block_ids: list[int], length: int) -> list[int]:
+        values = [self.slots[block_ids[pos // BLOCK]][pos % BLOCK] for pos in range(length)]
+        assert None not in values, f"position {values.index(None)} read before it was written"
+        return values  # type: ignore[return-value]
+
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        rows, tokens = [], []
+        # Batch order: a block shared with a request earlier in the step is written before it
+        # is read, as the runner writes every layer's K/V before attention reads it.
+        for s in out.scheduled:
+            value = 0
+            for j, token in enumerate(s.token_ids):
+                pos = s.num_computed_tokens + j
+                value = attend(self._context(s.block_ids, pos), token)
+                self.slots[s.block_ids[pos // BLOCK]][pos % BLOCK] = value
+            if s.sample:
+                rows.append(s.request.request_id)
+                tokens.append(value % VOCAB)
+        return ModelRunnerOutput(req_ids=rows, sampled_token_ids=tokens)
+
+
+class ForgetfulBlockManager(BlockManager):
+    """Tells the model when a block is handed out for new content (not as a prefix hit)."""
+
+    def __init__(self, *args, model: KVModel, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.model = model
+
+    def _pop_free(self):
+        block = super()._pop_free()
+        self.model.forget(block.block_id)
+        return block
+
+
+def attend(context: list[int], token: int) -> int:
+    value = token * 7919 + len(context)
+    for previous in context:
+        value = (value * 1_000_003 + previous) % (2**31 - 1)
+    return value
+
+
+def alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    """The tokens a request generates with the whole machine to itself (no cache at all)."""
+    values: list[int] = []
+    for token in prompt:
+        values.append(attend(values, token))
+    out: list[int] = []
+    while True:
+        token = values[-1] % VOCAB
+        out.append(token)
+        if len(out) >= params.min_tokens and not params.ignore_eos and token == EOS:
+            return out
+        if len(out) >= params.max_tokens:
+            return out
+        values.append(attend(values, token))
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The scheduler's invariants after schedule()."""
+    config = sched.config
+    lengths = [len(s.token_ids) for s in out.scheduled]
+    assert out.num_scheduled_tokens == sum(lengths) <= config.max_num_batched_tokens
+    assert all(n > 0 for n in lengths)
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(set(ids)) == len(ids) <= config.max_num_seqs
+    assert not set(ids) & set(out.preempted_req_ids), "a preempted request was scheduled"
+    assert len(sched.running) <= config.max_num_seqs
+    bm = sched.block_manager
+    for s in out.scheduled:
+        r = s.request
+        assert r.status == RequestStatus.RUNNING and r in sched.running
+        assert s.num_computed_tokens == r.num_computed_tokens
+        assert (
+            s.token_ids
+            == r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + len(s.token_ids)]
+        )
+        assert s.sample == (r.num_computed_tokens + len(s.token_ids) == r.num_tokens)
+        assert len(s.block_ids) >= bm.blocks_needed(r.num_computed_tokens + len(s.token_ids))
+        assert s.block_ids == bm.get_block_ids(r.request_id)
+    for _, _, r in sched.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.request_id not in bm.req_to_blocks
+    bm.check_invariants()
+
+
+PROMPTS = st.lists(st.integers(min_value=1, max_value=VOCAB - 1), min_size=1, max_size=14)
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.booleans(),  # start with the shared prefix
+            PROMPTS,
+            st.integers(min_value=1, max_value=3),  # n
+            st.integers(min_value=1, max_value=12),  # max_tokens
+            st.integers(min_value=0, max_value=2),  # priority
+            st.booleans(),  # ignore_eos
+        ),
+        st.tuples(st.just("steps"), st.integers(min_value=1, max_value=4)),
+        st.tuples(st.just("abort"), st.integers(min_value=0, max_value=10**6)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=EVENTS,
+    num_blocks=st.integers(min_value=4, max_value=12),
+    budget=st.integers(min_value=1, max_value=24),
+    max_num_seqs=st.integers(min_value=1, max_value=6),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    chunked=st.booleans(),
+    prefix=st.booleans(),
+)
+def test_tiny_pool_runs_every_request_as_it_would_alone(
+    events, num_blocks, budget, max_num_seqs, policy, chunked, prefix
+):
+    """Preemption (of requests already scheduled in the step too), chunked prefill, prefix hits,
+    n > 1 siblings, priorities and aborts, on a pool that holds only a few requests: after every
+    schedule() the invariants hold, and each request that was not aborted finishes with exactly
+    the tokens it generates alone."""
+    if not chunked:
+        budget = max(budget, 14 + 12 + 8)  # without chunking a prompt must fit one step
+    model = KVModel(num_blocks)
+    bm = ForgetfulBlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix, model=model)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
+    sched = Scheduler(config, bm)
+    expected: dict[str, list[int]] = {}
+    requests: dict[str, Request] = {}
+    arrivals = itertools.count()
+
+    def run_steps(count: int) -> None:
+        for _ in range(count):
+            if not sched.has_unfinished_requests():
+                return
+            out = sched.schedule()
+            check_step(sched, out)
+            sched.update(out, model.run(out))
+            bm.check_invariants()
+            # Once a step ran, every block the prefix cache names holds all its K/V.
+            for block in bm.cached.values():
+                assert None not in model.slots[block.block_id], "cached block never written"
+
+    for event in events:
+        if event[0] == "add":
+            _, shared, prompt, n, max_tokens, priority, ignore_eos = event
+            prompt = ([5, 6, 7, 8, 9, 10, 11, 12] if shared else []) + prompt
+            if bm.blocks_needed(len(prompt) + max_tokens) > num_blocks:
+                continue  # the engine refuses such a request up front
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+            seq = next(arrivals)
+            for i in range(n):
+                request = Request(
+                    f"q{seq}#{i}",
+                    list(prompt),
+                    params,
+                    seed=seq,
+                    eos_token_ids=(EOS,),
+                    max_total_tokens=len(prompt) + max_tokens,
+                    priority=priority,
+                    arrival_seq=seq,
+                )
+                sched.add_request(request)
+                requests[request.request_id] = request
+                expected[request.request_id] = alone(prompt, params)
+        elif event[0] == "steps":
+            run_steps(event[1])
+        else:
+            live = [r for r in requests.values() if not r.is_finished]
+            if live:
+                victim = live[event[1] % len(live)]
+                sched.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
+                check_step(sched, SchedulerOutput())
+    run_steps(2000)
+    assert not sched.has_unfinished_requests(), "the scheduler stopped making progress"
+    assert bm.num_free_blocks == bm.num_blocks
+    for req_id, request in requests.items():
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            assert request.output_token_ids == expected[req_id][: request.num_output_tokens]
+        else:
+            assert request.output_token_ids == expected[req_id], req_id

@@ -137,10 +137,23 @@ class BlockManager:
             self._cache_full_blocks(request, owned, num_total)
         return True
 
-    def free(self, request: Request) -> None:
-        """Drop the request's references; tail blocks first so they are evicted first."""
+    def free(self, request: Request, num_written_tokens: int | None = None) -> None:
+        """Drop the request's references; tail blocks first so they are evicted first.
+
+        `num_written_tokens`: how many of the request's tokens have their K/V in the cache, when
+        the blocks past them were allocated for a step that will not run for this request (it
+        was preempted after being scheduled). Full blocks among those were offered to the prefix
+        cache at allocation, but their K/V will never be written: the offer is withdrawn. They
+        are the request's own (a prefix hit never lies past the written tokens).
+        """
         self.num_cached_blocks.pop(request.request_id, None)
-        for block in reversed(self.req_to_blocks.pop(request.request_id, [])):
+        owned = self.req_to_blocks.pop(request.request_id, [])
+        if num_written_tokens is not None:
+            for block in owned[num_written_tokens // self.block_size :]:
+                if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+        for block in reversed(owned):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block

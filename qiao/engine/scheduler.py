@@ -63,7 +63,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, scheduled, out):
+            allocated, given_back = self._allocate_or_preempt(request, num_new, scheduled, out)
+            # Victims scheduled earlier in this loop hand their tokens back to the budget.
+            budget += given_back
+            if not allocated:
                 continue
             scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
@@ -109,27 +112,34 @@ class Scheduler:
         num_new: int,
         scheduled: dict[str, ScheduledRequest],
         out: SchedulerOutput,
-    ) -> bool:
+    ) -> tuple[bool, int]:
+        """Allocate `num_new` slots for `request`, preempting the lowest-priority, youngest
+        running requests until it fits. Returns (allocated, tokens given back by victims that
+        were already scheduled in this step)."""
+        given_back = 0
         while not self.block_manager.allocate_slots(request, num_new):
             victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
-            self._preempt(victim, scheduled, out)
+            given_back += self._preempt(victim, scheduled, out)
             if victim is request:
-                return False
-        return True
+                return False, given_back
+        return True, given_back
 
     def _preempt(
         self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
-    ) -> None:
-        # A victim already scheduled in this step gives its tokens back: drop its entry.
-        scheduled.pop(victim.request_id, None)
+    ) -> int:
+        """Send a running request back to waiting; returns the tokens it had been scheduled in
+        this step (its entry is dropped, so they go back to the budget)."""
+        dropped = scheduled.pop(victim.request_id, None)
         self.running.remove(victim)
-        self.block_manager.free(victim)
+        # Blocks allocated for the dropped share were never written: keep them out of the cache.
+        self.block_manager.free(victim, victim.num_computed_tokens if dropped else None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_req_ids.append(victim.request_id)
         self._push_waiting(victim)
+        return 0 if dropped is None else len(dropped.token_ids)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
