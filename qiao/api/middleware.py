@@ -78,8 +78,9 @@ def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
     if scheme.lower() != b"bearer":
         return False
     token = token.strip()
+    # An empty token never authenticates, even beside an empty key that slipped through.
     matches = [hmac.compare_digest(token, key) for key in keys]
-    return any(matches)
+    return bool(token) and any(matches)
 
 
 class BodyLimitMiddleware:

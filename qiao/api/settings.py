@@ -232,14 +232,22 @@ class ServeSettings(BaseSettings):
         return self.served_model_name or Path(self.model_path).name
 
     def api_keys(self) -> list[str]:
-        keys = list(self.api_key)
+        """Every accepted API key, from --api-key / QIAO_API_KEY / the config file and the key
+        file. Raises ConfigError for a key that is empty, short or not sendable in a header."""
+        keys = [("api_key", key) for key in self.api_key]
         if self.api_key_file is not None:
             try:
                 lines = self.api_key_file.read_text().splitlines()
             except OSError as exc:
                 raise ConfigError(f"api_key_file cannot be read ({exc.strerror})") from exc
-            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-        return keys
+            keys += [
+                ("api_key_file", line.strip())
+                for line in lines
+                if line.strip() and not line.startswith("#")
+            ]
+        for index, (source, key) in enumerate(keys, 1):
+            check_secret(key, f"{source} (key {index})")
+        return [key for _, key in keys]
 
     def management_token_value(self) -> str | None:
         if self.management_token_file is not None:
@@ -260,23 +268,22 @@ class ServeSettings(BaseSettings):
             return False
 
     def check_security(self) -> None:
-        """Refuse a public bind without an API key unless explicitly told it is fine."""
-        if (
-            not self.is_loopback_bind()
-            and not self.api_keys()
-            and not self.allow_insecure_public_bind
-        ):
+        """Refuse empty or weak secrets, and a public bind without an API key unless explicitly
+        told it is fine."""
+        api_keys = self.api_keys()  # checks every key, whatever the bind
+        if not self.is_loopback_bind() and not api_keys and not self.allow_insecure_public_bind:
             raise ConfigError(
                 f"host {self.host!r} is not a loopback address and no API key is set: pass "
                 "--api-key (or QIAO_API_KEY / --api-key-file), or --allow-insecure-public-bind"
             )
         if self.management_port is not None:
             token = self.management_token_value()
-            if not token or len(token) < 16:
+            if not token or len(token) < MIN_SECRET_LENGTH:
                 raise ConfigError(
-                    "management_port needs a token of at least 16 characters: pass "
-                    "--management-token (or QIAO_MANAGEMENT_TOKEN / --management-token-file)"
+                    f"management_port needs a token of at least {MIN_SECRET_LENGTH} characters: "
+                    "pass --management-token (or QIAO_MANAGEMENT_TOKEN / --management-token-file)"
                 )
+            check_secret(token, "management_token")
 
     @classmethod
     def settings_customise_sources(
@@ -289,6 +296,26 @@ class ServeSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # CLI values arrive through init; the file is passed in as the lowest-priority source.
         return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+# The shortest API key or management token accepted: a guessable secret is no secret.
+MIN_SECRET_LENGTH = 16
+
+
+def check_secret(secret: str, what: str) -> None:
+    """Refuse a secret that is short, or that a client cannot send as `Bearer <secret>` (the
+    secret itself is never part of the message)."""
+    if len(secret) < MIN_SECRET_LENGTH:
+        got = "an empty one" if not secret else f"one of {len(secret)}"
+        raise ConfigError(
+            f"{what}: an API key or token needs at least {MIN_SECRET_LENGTH} characters, got "
+            f"{got}; generate one with `python -c 'import secrets; print(secrets.token_urlsafe())'`"
+        )
+    if not all(33 <= ord(c) < 127 for c in secret):
+        raise ConfigError(
+            f"{what}: an API key or token must be printable ASCII without spaces (it is sent in "
+            "the Authorization header)"
+        )
 
 
 _FILE_VALUES: dict[str, Any] = {}

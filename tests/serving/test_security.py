@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from qiao.api.app import create_app
+from qiao.api.middleware import bearer_matches
 from qiao.api.server import build_engine
 from qiao.api.settings import ServeSettings, load_settings
 from qiao.errors import ConfigError
@@ -188,6 +189,36 @@ def test_public_bind_check_passes_with_a_key_or_explicit_consent(tmp_path: Path)
     load_settings(["--host", "0.0.0.0", "--api-key-file", str(key_file)]).check_security()
     for loopback in ("127.0.0.1", "localhost", "::1", "127.0.0.5"):
         load_settings(["--host", loopback]).check_security()
+
+
+@pytest.mark.parametrize(
+    ("config_text", "complaint"),
+    [
+        ('api_key: [""]\n', "got an empty one"),
+        ("api_key: [short-key]\n", "got one of 9"),
+        ('api_key: ["sk-long-enough-but has a space"]\n', "without spaces"),
+    ],
+)
+def test_empty_short_and_unsendable_keys_refuse_to_start(
+    tmp_path: Path, config_text: str, complaint: str
+) -> None:
+    config = tmp_path / "qiao.yaml"
+    config.write_text("host: 0.0.0.0\n" + config_text)
+    with pytest.raises(ConfigError, match=r"at least 16 characters|printable ASCII") as caught:
+        load_settings(["--config", str(config)]).check_security()
+    assert complaint in str(caught.value)
+    assert "short-key" not in str(caught.value)  # the secret itself is never repeated
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"{API_KEY}\nshort\n")
+    with pytest.raises(ConfigError, match=r"api_key_file \(key 2\).*got one of 5"):
+        load_settings(["--api-key-file", str(key_file)]).check_security()
+
+
+def test_an_empty_bearer_token_never_authenticates() -> None:
+    for header in (b"Bearer", b"Bearer ", b"Bearer    ", b"bearer \t"):
+        assert not bearer_matches(header, [b""])
+        assert not bearer_matches(header, [API_KEY.encode()])
+    assert bearer_matches(f"Bearer {API_KEY}".encode(), [b"", API_KEY.encode()])
 
 
 def _cors_requests() -> list[tuple[str, str, dict]]:
