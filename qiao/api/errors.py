@@ -97,7 +97,8 @@ def as_api_error(exc: Exception) -> APIError:
 
 
 def _field_of(message: str) -> str | None:
-    head = message.split(" ", 1)[0]
+    # "top_p must be ..." or "max_tokens: the request needs ..." name the field first.
+    head = message.split(" ", 1)[0].removesuffix(":")
     return head if head.isidentifier() else None
 
 

@@ -26,6 +26,7 @@ from qiao.api.serving import (
     stream_events,
     usage,
 )
+from qiao.engine.async_engine import GenerateRequest
 from qiao.outputs import CompletionOutput, Logprob
 from qiao.repository.manager import ModelManager
 from qiao.repository.served import LLMVersion
@@ -241,23 +242,20 @@ def _start(
             code="unavailable",
             headers={"Retry-After": "1"},
         )
-    streams = []
     params = to_sampling_params(body, budgets[0], num_logprobs)
+    requests = [
+        GenerateRequest(
+            f"{uuid.uuid4().hex}-{i}",
+            prompt,
+            params if budget == params.max_tokens else params.clone(max_tokens=budget),
+            priority=body.priority,
+            deadline=deadline,
+        )
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))
+    ]
     try:
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            params_i = params if budget == params.max_tokens else params.clone(max_tokens=budget)
-            streams.append(
-                engine.generate(
-                    f"{uuid.uuid4().hex}-{i}",
-                    prompt,
-                    params_i,
-                    priority=body.priority,
-                    deadline=deadline,
-                )
-            )
-    except Exception as exc:  # e.g. the queue filled up part-way: admit all prompts or none
-        for stream in streams:
-            engine.abort(stream.request_id)
+        streams = engine.generate_all(requests)  # every prompt admitted, or none
+    except Exception as exc:
         raise as_api_error(exc) from None
     return Job(streams, [len(p) for p in prompts], body.n, num_logprobs)
 

@@ -1,13 +1,16 @@
 """The engine for online serving: `LLMEngine.step()` in a background thread, asyncio in front.
 
-The API layer sees only `EngineClient`: `generate` (an async iterator of outputs), `abort`,
-`health` and `stats`. Behind it one thread owns the `LLMEngine` (nothing else touches it): it
+The API layer sees only `EngineClient`: `generate_all` / `generate` (async iterators of
+outputs), `abort`, `health` and `stats`. Behind it one thread owns the `LLMEngine` (nothing else touches it): it
 takes queued commands (add, abort), ends requests whose deadline passed, runs a step, and fans the
 step's outputs into per-request asyncio queues. torch releases the GIL while computing, so the
 event loop stays responsive during steps.
 
 Admission is bounded: a request is refused at once (`QueueFullError` -> 503) when the sequences or
-prompt tokens waiting to start would pass their limit; nothing queues without bound.
+prompt tokens waiting to start would pass their limit; nothing queues without bound. The engine
+requests of one API request (its prompts, each with n samples) are admitted together or not at
+all, and a group larger than the limits themselves is refused as invalid (`ConfigError` -> 400):
+no retry could ever admit it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qiao.engine.llm_engine import LLMEngine
-from qiao.errors import EngineUnavailableError, QiaoError, QueueFullError
+from qiao.errors import ConfigError, EngineUnavailableError, QiaoError, QueueFullError
 from qiao.outputs import RequestOutput
 from qiao.sampling_params import SamplingParams
 
@@ -51,10 +54,29 @@ class AdmissionLimits:
     log_interval: float = 10.0
 
 
+@dataclass
+class GenerateRequest:
+    """One engine request: a prompt and its sampling (n sequences), as the API admits it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
 class EngineClient(ABC):
     """The API layer's only door to an engine. Kept narrow so the engine can move out of process."""
 
     @abstractmethod
+    def generate_all(self, requests: Sequence[GenerateRequest]) -> list[RequestStream]:
+        """Admit every request at once or none (raising), then stream each one's delta outputs
+        until one has `finished`.
+
+        Each stream has `aclose()`; closing it before the last output aborts its request.
+        """
+
     def generate(
         self,
         request_id: str,
@@ -63,11 +85,10 @@ class EngineClient(ABC):
         *,
         priority: int = 0,
         deadline: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Admit at once (or raise), then stream delta outputs until one has `finished`.
-
-        The iterator has `aclose()`; closing it before the last output aborts the request.
-        """
+    ) -> RequestStream:
+        """`generate_all` for one request."""
+        request = GenerateRequest(request_id, prompt_token_ids, params, priority, deadline)
+        return self.generate_all([request])[0]
 
     @abstractmethod
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -90,16 +111,6 @@ class EngineClient(ABC):
 
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    deadline: float | None
-    arrival_time: float = field(default_factory=time.monotonic)
 
 
 def _engine_failed(exc: Exception) -> EngineUnavailableError:
@@ -161,7 +172,7 @@ class AsyncEngine(EngineClient):
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[GenerateRequest | _Abort] = []
         # Work not yet started: commands in flight plus the scheduler's waiting queue.
         self._queued_seqs = 0
         self._queued_tokens = 0
@@ -246,21 +257,11 @@ class AsyncEngine(EngineClient):
 
     # --- EngineClient --------------------------------------------------------------------------
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        deadline: float | None = None,
-    ) -> RequestStream:
-        """Admit now (raising QueueFullError / EngineUnavailableError at once) and stream."""
-        if request_id in self._queues:
-            raise QiaoError(f"request id {request_id!r} is already in flight")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._admit(_Add(request_id, prompt_token_ids, params, priority, deadline), queue)
-        return RequestStream(self, request_id, queue)
+    def generate_all(self, requests: Sequence[GenerateRequest]) -> list[RequestStream]:
+        """Admit all now or none (raising ConfigError / QueueFullError / EngineUnavailableError
+        at once), and stream each."""
+        queues = self._admit(requests)
+        return [RequestStream(self, r.request_id, q) for r, q in zip(requests, queues, strict=True)]
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
@@ -296,13 +297,38 @@ class AsyncEngine(EngineClient):
 
     # --- admission (event-loop side) ------------------------------------------------------------
 
-    def _admit(self, add: _Add, queue: asyncio.Queue[RequestOutput | BaseException]) -> None:
+    def _admit(
+        self, requests: Sequence[GenerateRequest]
+    ) -> list[asyncio.Queue[RequestOutput | BaseException]]:
+        """Queue every request of one group, or none: the limits are checked for the whole."""
         if self.draining or self._stopping:
             raise EngineUnavailableError("the server is shutting down; retry on another replica")
-        num_seqs = add.params.n
-        num_tokens = len(add.prompt_token_ids) * add.params.n
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise QiaoError("request ids of one group must differ")
+        num_seqs = sum(r.params.n for r in requests)
+        num_tokens = sum(len(r.prompt_token_ids) * r.params.n for r in requests)
         limits = self.limits
+        if num_seqs > limits.max_waiting_seqs:
+            field_name = "n" if len(requests) == 1 else "prompt"
+            raise ConfigError(
+                f"{field_name}: the request holds {num_seqs} sequences (prompts x n) but at most "
+                f"{limits.max_waiting_seqs} may wait to start (max_waiting_requests); send fewer "
+                "prompts or a smaller n"
+            )
+        if num_tokens > limits.max_waiting_tokens:
+            raise ConfigError(
+                f"prompt: the request holds {num_tokens} prompt tokens (prompts x n) but at most "
+                f"{limits.max_waiting_tokens} may wait to start (max_waiting_tokens); send "
+                "shorter or fewer prompts, or a smaller n"
+            )
+        queues: list[asyncio.Queue[RequestOutput | BaseException]] = [
+            asyncio.Queue() for _ in requests
+        ]
         with self._lock:
+            in_flight = next((rid for rid in ids if rid in self._queues), None)
+            if in_flight is not None:
+                raise QiaoError(f"request id {in_flight!r} is already in flight")
             if self._queued_seqs + num_seqs > limits.max_waiting_seqs:
                 raise QueueFullError(
                     f"waiting queue is full ({self._queued_seqs} of {limits.max_waiting_seqs} "
@@ -317,9 +343,11 @@ class AsyncEngine(EngineClient):
                 self._progress_time = time.monotonic()  # idle until now is not a stall
             self._queued_seqs += num_seqs
             self._queued_tokens += num_tokens
-            self._queues[add.request_id] = queue
-            self._commands.append(add)
+            for request, queue in zip(requests, queues, strict=True):
+                self._queues[request.request_id] = queue
+            self._commands.extend(requests)
         self._wakeup.set()
+        return queues
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -415,7 +443,7 @@ class AsyncEngine(EngineClient):
         with self._lock:
             waiting = set(self._queues) | set(request_ids)
             # Adds not applied yet are failed too: drop them so they never run unwatched.
-            self._commands = [c for c in self._commands if not isinstance(c, _Add)]
+            self._commands = [c for c in self._commands if not isinstance(c, GenerateRequest)]
         error = _engine_failed(exc)
         for request_id in waiting:
             self._post(self._fail, request_id, error)
@@ -430,7 +458,7 @@ class AsyncEngine(EngineClient):
     def _publish_stats(self) -> None:
         """Called under the lock: exact queue accounting and a stats snapshot for readers."""
         stats = self.engine.stats()
-        pending = [c for c in self._commands if isinstance(c, _Add)]
+        pending = [c for c in self._commands if isinstance(c, GenerateRequest)]
         self._queued_seqs = stats["num_waiting"] + sum(c.params.n for c in pending)
         self._queued_tokens = stats["num_waiting_tokens"] + sum(
             len(c.prompt_token_ids) * c.params.n for c in pending

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qiao.engine.async_engine import GenerateRequest
 from qiao.engine.batcher import BatchStats, DynamicBatcher
 from qiao.errors import ConfigError
 from qiao.repository.types import TensorSpec
@@ -103,19 +104,14 @@ class LLMVersion:
                     f"prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceeds the "
                     f"context of {self.engine.max_model_len} tokens"
                 )
-        streams: list[RequestStream] = []
+        requests = [
+            GenerateRequest(
+                f"infer-{uuid.uuid4().hex}", prompt, params, priority or 0, deadline=deadline
+            )
+            for prompt in ids
+        ]
+        streams = self.engine.generate_all(requests)  # every prompt admitted, or none
         try:
-            for prompt in ids:
-                # Admitted all or none: a full queue part-way aborts the ones already in.
-                streams.append(
-                    self.engine.generate(
-                        f"infer-{uuid.uuid4().hex}",
-                        prompt,
-                        params,
-                        priority=priority or 0,
-                        deadline=deadline,
-                    )
-                )
             texts = await asyncio.gather(*(_final_text(s) for s in streams))
         finally:
             # Whatever ended this call early (an error, the client going away) frees the rest.

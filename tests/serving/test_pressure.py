@@ -81,3 +81,42 @@ def test_preemption_of_scheduled_requests_keeps_every_sequence_exact(
     assert finish == "length"
     assert small_pool.engine.stats()["num_preemptions"] > preemptions_before
     small_pool.wait_idle()
+
+
+def test_a_request_is_admitted_whole_or_not_at_all(
+    make_inprocess_server: Callable[..., InProcessServer],
+) -> None:
+    """With the engine held and 3 of 4 waiting places taken, a request with two prompts gets 503
+    and leaves nothing behind (it used to leave its first prompt counted in flight, and SIGTERM
+    waited the whole drain timeout for it); one that could never fit gets 400 at once."""
+    server = make_inprocess_server(max_waiting_requests=4)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response, int]:
+        async with async_http_client(server.base_url, timeout=60.0) as client:
+            server.gate.hold()
+            first = asyncio.ensure_future(
+                client.post("/v1/completions", json=_greedy("Hello", 4, n=3))
+            )
+            while server.engine.num_unfinished() == 0:
+                await asyncio.sleep(0.005)
+            two = {"model": MODEL_NAME, "prompt": ["Hello", "Once"], "max_tokens": 4}
+            refused = await client.post("/v1/completions", json=two)
+            never = await client.post("/v1/completions", json=_greedy("Hello", 4, n=5))
+            in_flight = server.engine.num_unfinished()
+            server.gate.release()
+            return await first, refused, never, in_flight
+
+    try:
+        first, refused, never, in_flight = asyncio.run(scenario())
+    finally:
+        server.gate.reset()
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert refused.headers["Retry-After"]
+    assert in_flight == 1, "a refused request left engine requests behind"
+    assert never.status_code == 400, never.text
+    error = never.json()["error"]
+    assert error["param"] == "n" and "at most 4" in error["message"]
+    assert first.status_code == 200, first.text
+    assert len(first.json()["choices"]) == 3
+    server.wait_idle()
