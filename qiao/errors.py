@@ -10,7 +10,12 @@ class QiaoError(Exception):
 
 
 class ConfigError(QiaoError, ValueError):
-    """A setting or a request field is invalid. The message names the field."""
+    """A setting or a request field is invalid. The message names the field; `param`, when
+    given, is the request field a client sees it as (the API's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(QiaoError):

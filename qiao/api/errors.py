@@ -89,7 +89,7 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, ConfigError):
         # SamplingParams errors read "SamplingParams.top_p must ..."; the client knows it as top_p.
         message = str(exc).removeprefix("SamplingParams.")
-        return APIError(400, message, param=_field_of(message))
+        return APIError(400, message, param=exc.param or _field_of(message))
     logger.error("unexpected error", exc_info=exc)
     return APIError(
         500, "internal server error; the server log has the details", code="internal_error"
@@ -97,8 +97,7 @@ def as_api_error(exc: Exception) -> APIError:
 
 
 def _field_of(message: str) -> str | None:
-    # "top_p must be ..." or "max_tokens: the request needs ..." name the field first.
-    head = message.split(" ", 1)[0].removesuffix(":")
+    head = message.split(" ", 1)[0]
     return head if head.isidentifier() else None
 
 

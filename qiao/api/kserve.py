@@ -46,6 +46,7 @@ from qiao.api.kserve_tensors import (
     to_json,
     to_raw,
 )
+from qiao.api.middleware import decimal
 from qiao.errors import ConfigError
 from qiao.repository.types import ModelRouter, ServedVersion
 from qiao.version import __version__
@@ -191,11 +192,12 @@ async def _read_body(request: Request) -> tuple[dict[str, Any], bytes]:
     if header_length is None:
         json_part, binary = body, b""
     else:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        json_length = decimal(header_length)
+        if json_length is None or json_length > len(body):
             raise ConfigError(
                 f"{HEADER_LENGTH} must be an integer no larger than the body ({len(body)} bytes)"
             )
-        json_part, binary = body[: int(header_length)], body[int(header_length) :]
+        json_part, binary = body[:json_length], body[json_length:]
     try:
         payload = json.loads(json_part)
     except (ValueError, RecursionError):

@@ -102,8 +102,10 @@ def resolve_max_tokens(
     *,
     prompt_param: str,
     param: str,
+    max_sequence_tokens: int | None = None,
 ) -> int:
-    """New-token budget: what was asked, within the context and the server's cap."""
+    """New-token budget: what was asked, within the context, the KV cache (a sequence holds at
+    most `max_sequence_tokens`) and the server's cap. Without a request, the most that fits."""
     if num_prompt_tokens == 0:
         raise APIError(400, f"{prompt_param}: must not be empty", param=prompt_param)
     room = max_model_len - num_prompt_tokens
@@ -114,9 +116,18 @@ def resolve_max_tokens(
             f"{max_model_len} tokens, leaving no room to generate",
             param=prompt_param,
         )
+    limit = min(max_model_len, max_sequence_tokens or max_model_len)
+    cache_room = limit - num_prompt_tokens
+    if cache_room < 1:
+        raise APIError(
+            400,
+            f"{prompt_param}: the prompt is {num_prompt_tokens} tokens but the KV cache holds "
+            f"{limit} tokens of one sequence, leaving no room to generate",
+            param=prompt_param,
+        )
     cap = settings.max_tokens_limit
     if requested is None:
-        return min(room, cap) if cap is not None else room
+        return min(cache_room, cap) if cap is not None else cache_room
     if cap is not None and requested > cap:
         raise APIError(400, f"{param}: at most {cap} on this server, got {requested}", param=param)
     if requested > room:
@@ -124,6 +135,13 @@ def resolve_max_tokens(
             400,
             f"{param}: the prompt is {num_prompt_tokens} tokens and the context {max_model_len}, "
             f"so at most {room} new tokens fit; got {requested}",
+            param=param,
+        )
+    if requested > cache_room:
+        raise APIError(
+            400,
+            f"{param}: the prompt is {num_prompt_tokens} tokens and the KV cache holds {limit} "
+            f"tokens of one sequence, so at most {cache_room} new tokens fit; got {requested}",
             param=param,
         )
     return requested

@@ -34,7 +34,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from qiao.api.errors import error_body
-from qiao.api.middleware import ASGIApp, Message, Receive, Scope, Send, bearer_matches
+from qiao.api.middleware import (
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    bearer_matches,
+    decimal,
+)
 from qiao.errors import ConfigError, EngineUnavailableError, ModelNotFoundError
 from qiao.repository.scan import NAME_RULE, check_model_name, check_version
 from qiao.repository.types import ModelControl, VersionState, VersionStatus
@@ -309,8 +317,8 @@ class ManagementGuard:
             )
             await _send(scope, send, _error(path, 400, message))
             return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
+        length = decimal(dict(scope["headers"]).get(b"content-length", b"0"))
+        if length is None or length > self.max_body_bytes:
             message = f"request body is over the limit of {self.max_body_bytes} bytes"
             await _send(scope, send, _error(path, 413, message))
             return

@@ -71,6 +71,15 @@ class APIKeyMiddleware:
         return bearer_matches(dict(scope["headers"]).get(b"authorization", b""), self.keys)
 
 
+def decimal(value: bytes | str | None, max_digits: int = 18) -> int | None:
+    """A header's non-negative decimal value; None when absent, not a number, or longer than
+    `max_digits` (Python refuses to convert strings over 4,300 digits to int)."""
+    if value is None or not value.isdigit() or not value.isascii():
+        return None
+    digits = value.lstrip(b"0" if isinstance(value, bytes) else "0")
+    return int(digits or 0) if len(digits) <= max_digits else None
+
+
 def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
     """Whether an `Authorization` value is `Bearer <one of keys>`. Every key is compared, in
     constant time each, so timing reveals nothing (HTTP, management and gRPC all use this)."""
@@ -94,12 +103,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        length = decimal(dict(scope["headers"]).get(b"content-length"))
+        if length is not None and length > self.max_bytes:
             await send_error(
                 send,
                 413,
-                f"request body is {int(length)} bytes; the limit is {self.max_bytes}",
+                f"request body is {length} bytes; the limit is {self.max_bytes}",
                 path=scope["path"],
             )
             return

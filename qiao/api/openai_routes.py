@@ -29,6 +29,7 @@ from qiao.api.serving import (
 from qiao.engine.async_engine import GenerateRequest
 from qiao.outputs import CompletionOutput, Logprob
 from qiao.repository.manager import ModelManager
+from qiao.repository.scan import MAX_VERSION_LENGTH, quoted
 from qiao.repository.served import LLMVersion
 
 router = APIRouter()
@@ -48,9 +49,17 @@ async def list_models(request: Request) -> ModelList:
 def split_model_id(model: str) -> tuple[str, str | None]:
     """`name@version` → (name, version); a bare name → (name, None)."""
     name, sep, version = model.partition("@")
-    if sep and not (version.isascii() and version.isdigit()):
-        raise APIError(400, f"model: version {version!r} after '@' must be a number", param="model")
-    return name, (str(int(version)) if sep else None)
+    if not sep:
+        return name, None
+    canonical = version.lstrip("0") or "0" if version.isascii() and version.isdigit() else ""
+    if not canonical or len(canonical) > MAX_VERSION_LENGTH:
+        raise APIError(
+            400,
+            f"model: version {quoted(version)} after '@' must be a number of at most "
+            f"{MAX_VERSION_LENGTH} digits",
+            param="model",
+        )
+    return name, canonical
 
 
 def resolve_model(request: Request, model: str, user: str | None) -> Any:
@@ -230,6 +239,7 @@ def _start(
             settings,
             prompt_param=prompt_param,
             param=param,
+            max_sequence_tokens=engine.max_sequence_tokens,
         )
         for p in prompts
     ]
@@ -257,7 +267,7 @@ def _start(
         streams = engine.generate_all(requests)  # every prompt admitted, or none
     except Exception as exc:
         raise as_api_error(exc) from None
-    return Job(streams, [len(p) for p in prompts], body.n, num_logprobs)
+    return Job(streams, [len(p) for p in prompts], body.n, num_logprobs, deadline)
 
 
 def _sse(

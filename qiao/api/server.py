@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from qiao.api.app import create_app, llm_versions
+from qiao.api.http_protocol import MAX_HEADER_BYTES, QiaoH11Protocol
 from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
@@ -204,6 +205,8 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
         access_log=False,
+        http=QiaoH11Protocol,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     main = DrainingServer(config, app, settings.drain_timeout)
     side: list[tuple[SideServer, asyncio.Task[None]]] = []
@@ -218,6 +221,8 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
                 port=settings.management_port,
                 log_config=None,  # leave the logging the main server set up alone
                 access_log=False,
+                http=QiaoH11Protocol,
+                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             )
         )
         task = asyncio.create_task(mgmt.serve())

@@ -4,6 +4,10 @@ Both endpoints run the same way: one engine request per prompt, merged into one 
 non-streaming response is collected while a watcher listens for the client going away; a
 streaming one is an SSE generator whose cancellation (client gone) closes the engine streams,
 which aborts the requests and frees their KV blocks in the next engine step.
+
+A request's deadline is kept here too, not only by the engine: the engine ends a request whose
+deadline passed between steps, but while one step hangs only the API side can answer on time
+(408, or `finish_reason: "timeout"` in a stream).
 """
 
 from __future__ import annotations
@@ -40,19 +44,25 @@ class Job:
     num_prompt_tokens: list[int]
     n: int
     num_top_logprobs: int | None  # None: no logprobs asked
+    deadline: float | None = None  # time.monotonic() at which the request times out
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
 
 
-async def close_all(job: Job) -> None:
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its last output arrived."""
+
+
+async def close_all(job: Job, reason: str = "abort") -> None:
     for stream in job.streams:
-        await stream.aclose()
+        await stream.aclose(reason)
 
 
 async def merged(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta output) from every prompt's stream as they come."""
-    if len(job.streams) == 1:
+    """(prompt index, delta output) from every prompt's stream as they come; raises
+    DeadlineExceeded at the job's deadline, whatever the engine is doing."""
+    if len(job.streams) == 1 and job.deadline is None:
         async for output in job.streams[0]:
             yield 0, output
         return
@@ -71,7 +81,15 @@ async def merged(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
+            if job.deadline is None:
+                i, item = await queue.get()
+            else:
+                try:
+                    i, item = await asyncio.wait_for(
+                        queue.get(), max(job.deadline - time.monotonic(), 0.0)
+                    )
+                except TimeoutError:
+                    raise DeadlineExceeded from None
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -100,11 +118,15 @@ async def collect(job: Job, request: Request) -> list[Sample]:
 
     async def consume() -> list[Sample]:
         samples: dict[int, Sample] = {}
+        reason = "abort"
         try:
             async for prompt_index, output in merged(job):
                 fold(samples, job, prompt_index, output)
+        except DeadlineExceeded:
+            reason = "timeout"
+            raise
         finally:
-            await close_all(job)
+            await close_all(job, reason)
         return [samples[i] for i in sorted(samples)]
 
     work = asyncio.ensure_future(consume())
@@ -120,16 +142,22 @@ async def collect(job: Job, request: Request) -> list[Sample]:
         raise APIError(499, "client closed the request")
     try:
         samples = work.result()
+    except DeadlineExceeded:
+        raise _timeout_error() from None
     except Exception as exc:  # engine-side failures become their HTTP errors
         raise as_api_error(exc) from None
     _raise_for_unfinished(samples)
     return samples
 
 
+def _timeout_error() -> APIError:
+    return APIError(408, "the request passed its timeout before it finished", code="timeout")
+
+
 def _raise_for_unfinished(samples: list[Sample]) -> None:
     reasons = {s.finish_reason for s in samples}
     if "timeout" in reasons:
-        raise APIError(408, "the request passed its timeout before it finished", code="timeout")
+        raise _timeout_error()
     if "abort" in reasons:
         raise APIError(
             503,
@@ -168,18 +196,32 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """SSE body: chunks as deltas arrive, then usage (if asked), then [DONE].
 
-    An engine error mid-stream becomes an error event (the status line is already sent).
+    An engine error mid-stream becomes an error event (the status line is already sent). At the
+    deadline every choice still open ends with `finish_reason: "timeout"`.
     """
     completion_tokens = 0
+    finished: set[int] = set()
+    reason = "abort"
     try:
         for chunk in first_chunks or []:
             yield sse(chunk)
-        async for prompt_index, output in merged(job):
-            for delta in output.outputs:
-                completion_tokens += len(delta.token_ids)
-                index = job.choice_index(prompt_index, delta.index)
-                for chunk in make_chunks(index, delta, delta.logprobs):
-                    yield sse(chunk)
+        try:
+            async for prompt_index, output in merged(job):
+                for delta in output.outputs:
+                    completion_tokens += len(delta.token_ids)
+                    index = job.choice_index(prompt_index, delta.index)
+                    if delta.finish_reason is not None:
+                        finished.add(index)
+                    for chunk in make_chunks(index, delta, delta.logprobs):
+                        yield sse(chunk)
+        except DeadlineExceeded:
+            reason = "timeout"
+            await close_all(job, reason)
+            for index in range(len(job.streams) * job.n):
+                if index not in finished:
+                    end = CompletionOutput(index, "", [], finish_reason="timeout")
+                    for chunk in make_chunks(index, end, None):
+                        yield sse(chunk)
         if usage_chunk is not None:
             prompt = sum(job.num_prompt_tokens)
             yield sse(
@@ -196,7 +238,7 @@ async def stream_events(
         error = as_api_error(exc)
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:
-        await close_all(job)
+        await close_all(job, reason)
 
 
 def now() -> int:

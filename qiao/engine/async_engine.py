@@ -104,6 +104,12 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + output) one sequence can hold: the context, or the KV
+        cache when it is smaller."""
+
+    @property
+    @abstractmethod
     def vocab_size(self) -> int: ...
 
     @abstractmethod
@@ -154,10 +160,10 @@ class RequestStream:
             raise item
         return item
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str = "abort") -> None:
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            self.engine.abort(self.request_id, reason)
         self.engine._queues.pop(self.request_id, None)
 
 
@@ -277,6 +283,11 @@ class AsyncEngine(EngineClient):
         return self.engine.max_model_len
 
     @property
+    def max_sequence_tokens(self) -> int:
+        engine = self.engine
+        return min(engine.max_model_len, engine.num_kv_blocks * engine.block_manager.block_size)
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.arch.vocab_size
 
@@ -314,13 +325,15 @@ class AsyncEngine(EngineClient):
             raise ConfigError(
                 f"{field_name}: the request holds {num_seqs} sequences (prompts x n) but at most "
                 f"{limits.max_waiting_seqs} may wait to start (max_waiting_requests); send fewer "
-                "prompts or a smaller n"
+                "prompts or a smaller n",
+                param=field_name,
             )
         if num_tokens > limits.max_waiting_tokens:
             raise ConfigError(
                 f"prompt: the request holds {num_tokens} prompt tokens (prompts x n) but at most "
                 f"{limits.max_waiting_tokens} may wait to start (max_waiting_tokens); send "
-                "shorter or fewer prompts, or a smaller n"
+                "shorter or fewer prompts, or a smaller n",
+                param="prompt",
             )
         queues: list[asyncio.Queue[RequestOutput | BaseException]] = [
             asyncio.Queue() for _ in requests

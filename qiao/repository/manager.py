@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from qiao.errors import ConfigError, EngineUnavailableError, ModelNotFoundError, QiaoError
-from qiao.repository.scan import ModelEntry, VersionDir, check_model_name, scan_repository
+from qiao.repository.scan import (
+    MAX_VERSION_LENGTH,
+    ModelEntry,
+    VersionDir,
+    check_model_name,
+    quoted,
+    scan_repository,
+)
 from qiao.repository.types import ServedVersion, VersionState, VersionStatus
 
 logger = logging.getLogger("qiao.repository")
@@ -191,13 +198,15 @@ class ModelManager:
     def get(self, model: str, version: str | None = None, *, user: str | None = None) -> Served:
         m = self._models.get(model)
         if m is None or not m.slots:
-            raise ModelNotFoundError(f"model {model!r} is not served; GET /v1/models lists them")
+            raise ModelNotFoundError(
+                f"model {quoted(model)} is not served; GET /v1/models lists them"
+            )
         if self.draining:
             raise EngineUnavailableError("the server is shutting down; retry on another replica")
         if version is not None:
             slot = m.slots.get(version)
             if slot is None:
-                raise ModelNotFoundError(f"model {model!r} has no version {version!r}")
+                raise ModelNotFoundError(f"model {model!r} has no version {quoted(version)}")
             if slot.state is not VersionState.READY or slot.served is None:
                 raise EngineUnavailableError(f"version {version} of model {model!r} is not ready")
             return slot.served
@@ -487,15 +496,18 @@ def _check_weights(weights: dict[str, float]) -> dict[str, float]:
     checked = {}
     for version, weight in weights.items():
         v = str(version)
-        if not v.isdigit() or not v.isascii():
-            raise ConfigError(f"traffic: version {v!r} must be a number")
+        if not v.isdigit() or not v.isascii() or len(v.lstrip("0")) > MAX_VERSION_LENGTH:
+            raise ConfigError(
+                f"traffic: version {quoted(v)} must be a number of at most "
+                f"{MAX_VERSION_LENGTH} digits"
+            )
         try:
             w = float(weight)
         except (TypeError, ValueError):
             raise ConfigError(f"traffic: weight of version {v} must be a number") from None
         if not (w >= 0 and w != float("inf")):
             raise ConfigError(f"traffic: weight of version {v} must be >= 0 and finite")
-        checked[str(int(v))] = w
+        checked[v.lstrip("0") or "0"] = w
     return checked
 
 

@@ -51,7 +51,7 @@ def check_model_name(name: Any) -> str:
 
     fullmatch, not match: `$` would accept a trailing newline."""
     if not isinstance(name, str) or len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name):
-        raise ConfigError(f"model name {_shown(name)} is not allowed: use {NAME_RULE}")
+        raise ConfigError(f"model name {quoted(name)} is not allowed: use {NAME_RULE}")
     return name
 
 
@@ -66,7 +66,7 @@ def check_version(version: Any) -> str:
         or len(version) > MAX_VERSION_LENGTH
         or not _VERSION.fullmatch(version)
     ):
-        raise ConfigError(f"version {_shown(version)} is not allowed: use {VERSION_RULE}")
+        raise ConfigError(f"version {quoted(version)} is not allowed: use {VERSION_RULE}")
     return version
 
 
@@ -77,7 +77,7 @@ def resolve_inside(root: Path, *parts: str) -> Path:
     that stays inside the repository is fine, one that leaves it is a ConfigError."""
     for part in parts:
         if not isinstance(part, str) or len(part) > MAX_NAME_LENGTH or not _NAME.fullmatch(part):
-            raise ConfigError(f"path part {_shown(part)} is not allowed: use {NAME_RULE}")
+            raise ConfigError(f"path part {quoted(part)} is not allowed: use {NAME_RULE}")
     shown = "/".join(parts) or "."
     try:
         base = root.resolve(strict=True)
@@ -133,7 +133,7 @@ def scan_repository(root: Path, *, warn: Warn | None = None) -> dict[str, ModelE
         if child.name.startswith("."):
             continue  # .git, .DS_Store, editor files: not models, not worth a warning
         if not _NAME.fullmatch(child.name) or len(child.name) > MAX_NAME_LENGTH:
-            warn(f"model repository: skipping {_shown(child.name)}: a model name is {NAME_RULE}")
+            warn(f"model repository: skipping {quoted(child.name)}: a model name is {NAME_RULE}")
             continue
         model_dir = _contained(base, child, warn)
         if model_dir is not None and model_dir.is_dir():
@@ -266,7 +266,7 @@ def _contained(base: Path, path: Path, warn: Warn) -> Path | None:
     return target
 
 
-def _shown(value: Any) -> str:
+def quoted(value: Any) -> str:
     """A name as quoted in an error: ascii() (so NUL and look-alikes show), at most 64 chars."""
     text = ascii(value)
     return text if len(text) <= 64 else text[:60] + "...'"

@@ -386,7 +386,15 @@ class InProcessServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         # log_config=None: leave logging alone, so errors reach the root logger (and the check).
-        config = uvicorn.Config(self.app, log_config=None, access_log=False)
+        from qiao.api.http_protocol import MAX_HEADER_BYTES, QiaoH11Protocol
+
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            http=QiaoH11Protocol,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True

@@ -248,7 +248,7 @@ def test_unexpected_error_is_a_generic_500_and_is_counted(
     def explode(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(secret)
 
-    monkeypatch.setattr(server.engine, "generate", explode)
+    monkeypatch.setattr(server.engine, "generate_all", explode)
     before = http_status_counts(parse_metrics(server.app.state.metrics.render().decode()))
     error = _error(client.post("/v1/completions", json=_completion()), 500)
     assert error["code"] == "internal_error"

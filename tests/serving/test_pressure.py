@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -120,3 +121,120 @@ def test_a_request_is_admitted_whole_or_not_at_all(
     assert first.status_code == 200, first.text
     assert len(first.json()["choices"]) == 3
     server.wait_idle()
+
+
+def test_a_timeout_is_answered_while_a_step_hangs(
+    make_inprocess_server: Callable[..., InProcessServer],
+) -> None:
+    """The engine is held inside a step: a request with `timeout` still gets its 408 (and a
+    stream its `finish_reason: "timeout"`) while the step has not returned."""
+    server = make_inprocess_server()
+
+    async def scenario() -> tuple[httpx.Response, list[dict], bool]:
+        async with async_http_client(server.base_url, timeout=60.0) as client:
+            server.gate.hold()
+            plain = await client.post("/v1/completions", json=_greedy("Hello", 8, timeout=0.5))
+            events = []
+            chat = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 8,
+                "n": 2,
+                "stream": True,
+                "timeout": 0.5,
+            }
+            async with client.stream("POST", "/v1/chat/completions", json=chat) as stream:
+                assert stream.status_code == 200
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+            still_held = server.gate.held.is_set()
+            server.gate.release()
+            return plain, events, still_held
+
+    try:
+        plain, events, still_held = asyncio.run(scenario())
+    finally:
+        server.gate.reset()
+    assert still_held, "the step was released before the answers came"
+    assert plain.status_code == 408, plain.text
+    assert plain.json()["error"]["code"] == "timeout"
+    finishes = {
+        c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]
+    }
+    assert finishes == {0: "timeout", 1: "timeout"}
+    server.wait_idle()
+
+
+def test_a_version_suffix_of_thousands_of_digits_is_a_400(small_client: httpx.Client) -> None:
+    """`model@<5,000 digits>` passed Python's int-conversion limit: 500 and two tracebacks."""
+    for suffix in ("1" * 5000, "0" * 4000 + "1" * 300, "9" * 19):
+        response = small_client.post(
+            "/v1/completions", json={"model": f"{MODEL_NAME}@{suffix}", "prompt": "Hi"}
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "at most 18 digits" in error["message"]
+        assert len(error["message"]) < 200
+    leading_zeros = small_client.post(
+        "/v1/completions",
+        json={"model": f"{MODEL_NAME}@{'0' * 5000}1", "prompt": "Hi", "max_tokens": 2},
+    )
+    assert leading_zeros.status_code == 200, leading_zeros.text
+    unknown = small_client.post(
+        "/v1/completions", json={"model": f"{MODEL_NAME}@{'7' * 18}", "prompt": "Hi"}
+    )
+    assert unknown.status_code == 404, unknown.text
+
+
+def test_a_huge_content_length_is_refused_not_a_500(small_pool: InProcessServer) -> None:
+    with socket.create_connection(("127.0.0.1", small_pool.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n{}"
+        )
+        reply = _read_all(sock)
+    status = int(reply.split(b" ", 2)[1])
+    assert status in (400, 413), reply[:300]
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_default_max_tokens_fits_the_kv_cache(
+    small_pool: InProcessServer, small_client: httpx.Client
+) -> None:
+    """A chat request without max_tokens gets what one sequence can still hold: the KV pool here
+    (8 blocks of 16 = 128 tokens), not the 512-token context, which the engine would refuse."""
+    capacity = SMALL_POOL * 16
+    assert small_pool.engine.max_sequence_tokens == capacity
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = small_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == capacity
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    too_many = small_client.post("/v1/chat/completions", json={**body, "max_tokens": capacity})
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["param"] == "max_tokens"
+    assert "KV cache" in too_many.json()["error"]["message"]
+
+
+def test_an_oversized_header_is_a_431_in_the_error_envelope(small_pool: InProcessServer) -> None:
+    with http_client(small_pool.base_url, timeout=30.0) as client:
+        response = client.get("/v1/models", headers={"X-Padding": "a" * (1 << 20)})
+    assert response.status_code == 431, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "headers" in error["message"]
+    with http_client(small_pool.base_url, timeout=30.0) as client:
+        assert client.get("/v1/models").status_code == 200  # the server is unaffected
