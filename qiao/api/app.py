@@ -21,6 +21,7 @@ from qiao.api.kserve import router as kserve_router
 from qiao.api.metrics import ServerMetrics
 from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from qiao.api.openai_routes import router as openai_router
+from qiao.api.openapi import install_openapi
 from qiao.api.settings import ServeSettings
 from qiao.engine.async_engine import AsyncEngine
 from qiao.repository.manager import ModelManager, Served
@@ -98,6 +99,7 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
         )
     keys = settings.api_keys()
+    install_openapi(app, api_keys=bool(keys))
     if keys:
         # Added last, so it runs first: nothing else sees an unauthenticated request.
         app.add_middleware(APIKeyMiddleware, api_keys=keys)
