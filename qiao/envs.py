@@ -44,3 +44,9 @@ def kv_prefault() -> bool:
     """QIAO_KV_PREFAULT=0: leave the CPU KV pool to fault in on first use, instead of faulting
     all of it in on a background thread as soon as the engine is built."""
     return os.environ.get("QIAO_KV_PREFAULT", "1") not in ("", "0", "false")
+
+
+def kernel_build_timeout() -> float:
+    """QIAO_KERNEL_BUILD_TIMEOUT: seconds a start waits for another process's C++ kernel build
+    (its lock) before giving up with an error naming the lock (default 900)."""
+    return float(os.environ.get("QIAO_KERNEL_BUILD_TIMEOUT", "900"))
