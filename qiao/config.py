@@ -7,8 +7,10 @@ anywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qiao.errors import ConfigError
 
@@ -181,6 +183,20 @@ class EngineConfig:
             ),
             device=device,
             cuda_graphs=cuda_graphs,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for an engine process): `from_dict` rebuilds the same config."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        return cls(
+            model=ModelConfig(**data["model"]),
+            cache=CacheConfig(**data["cache"]),
+            scheduler=SchedulerConfig(**data["scheduler"]),
+            device=data["device"],
+            cuda_graphs=data["cuda_graphs"],
         )
 
     def __post_init__(self) -> None:

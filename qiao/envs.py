@@ -50,3 +50,9 @@ def kernel_build_timeout() -> float:
     """QIAO_KERNEL_BUILD_TIMEOUT: seconds a start waits for another process's C++ kernel build
     (its lock) before giving up with an error naming the lock (default 900)."""
     return float(os.environ.get("QIAO_KERNEL_BUILD_TIMEOUT", "900"))
+
+
+def engine_hook() -> str | None:
+    """QIAO_ENGINE_HOOK=module:function: an engine process calls `function(engine)` once its
+    `LLMEngine` is built, before it serves (fault injection in tests, tracing). Unset: nothing."""
+    return os.environ.get("QIAO_ENGINE_HOOK") or None

@@ -34,6 +34,11 @@ class EngineUnavailableError(QiaoError):
     """The engine is draining, stopped or failed; the request was not (or no longer) served."""
 
 
+class EngineRestartedError(EngineUnavailableError):
+    """The engine process died (or stalled and was killed) with this request in it, or is
+    restarting now; retry after a moment."""
+
+
 class ModelNotFoundError(QiaoError, LookupError):
     """No such model (or version) is served. The message names it."""
 

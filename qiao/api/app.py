@@ -23,7 +23,7 @@ from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, StatusCou
 from qiao.api.openai_routes import router as openai_router
 from qiao.api.openapi import install_openapi
 from qiao.api.settings import ServeSettings
-from qiao.engine.async_engine import AsyncEngine
+from qiao.engine.async_engine import EngineClient
 from qiao.repository.manager import ModelManager, Served
 from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.version import __version__
@@ -46,7 +46,7 @@ def _observe(metrics: ServerMetrics, served: Served) -> None:
 
 def create_app(
     settings: ServeSettings,
-    engine: AsyncEngine | None = None,
+    engine: EngineClient | None = None,
     *,
     manager: ModelManager | None = None,
     build_manager: Callable[[ServerMetrics], ModelManager] | None = None,

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.errors import (
     ConfigError,
+    EngineRestartedError,
     EngineUnavailableError,
     ModelNotFoundError,
     QueueFullError,
@@ -84,6 +85,8 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, ModelNotFoundError):
         return APIError(404, str(exc), code="model_not_found")
+    if isinstance(exc, EngineRestartedError):
+        return APIError(503, str(exc), code="engine_restarted", headers={"Retry-After": "1"})
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, ConfigError):

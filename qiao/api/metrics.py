@@ -269,4 +269,18 @@ class _EngineCollector(Collector):
                 s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
             )
             add(C, "qiao:engine_steps", "Engine steps run.", label, s["num_steps"])
+            add(
+                G,
+                "qiao:engine_up",
+                "1 while the engine runs, 0 while it restarts.",
+                label,
+                s.get("engine_up", 1),
+            )
+            add(
+                C,
+                "qiao:engine_restarts",
+                "Engine process restarts (exits, kills, stalls).",
+                label,
+                s.get("engine_restarts", 0),
+            )
         yield from families.values()

@@ -22,8 +22,9 @@ from qiao.api.http_protocol import MAX_HEADER_BYTES, QiaoH11Protocol
 from qiao.api.management import create_management_app
 from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
-from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
+from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
+from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
@@ -82,10 +83,18 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
     return config, num_threads
 
 
-def build_engine(settings: ServeSettings) -> AsyncEngine:
+def build_engine(settings: ServeSettings) -> EngineClient:
+    """The LLM engine: in its own supervised process (default), or a thread of this one."""
     config, num_threads = engine_config(settings)
-    apply_num_threads(num_threads)
-    return AsyncEngine.build(lambda: LLMEngine(config), admission_limits(settings))
+    if settings.in_process_engine:
+        apply_num_threads(num_threads)
+        return AsyncEngine.build(lambda: LLMEngine(config), admission_limits(settings))
+    return ProcessEngine.build(
+        config,
+        admission_limits(settings),
+        num_threads=num_threads,
+        log_level=settings.log_level.upper(),
+    )
 
 
 def admission_limits(settings: ServeSettings) -> AdmissionLimits:

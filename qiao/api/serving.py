@@ -235,6 +235,12 @@ async def stream_events(
             )
         yield sse("[DONE]")
     except Exception as exc:
+        # Every choice still open ends with finish_reason "error", then the error event.
+        for index in range(len(job.streams) * job.n):
+            if index not in finished:
+                end = CompletionOutput(index, "", [], finish_reason="error")
+                for chunk in make_chunks(index, end, None):
+                    yield sse(chunk)
         error = as_api_error(exc)
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:

@@ -175,7 +175,15 @@ class ServeSettings(BaseSettings):
 
     # --- operations ----------------------------------------------------------------------------
     stall_timeout: float = Field(
-        30.0, gt=0, description="readiness fails after this long without a step (s)"
+        30.0,
+        gt=0,
+        description="readiness fails after this long without a step with work queued (s); an "
+        "engine process is then killed and restarted",
+    )
+    in_process_engine: bool = Field(
+        False,
+        description="run the LLM engine as a thread of the server process, not in its own "
+        "supervised process (no restart when it fails; for debugging and tests)",
     )
     drain_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM, time given to in-flight requests (s)"

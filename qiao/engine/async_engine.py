@@ -67,7 +67,31 @@ class GenerateRequest:
 
 
 class EngineClient(ABC):
-    """The API layer's only door to an engine. Kept narrow so the engine can move out of process."""
+    """The API layer's only door to an engine: a thread of this process (`AsyncEngine`) or a
+    supervised engine process (`engine_process.ProcessEngine`)."""
+
+    # Set by the server on SIGTERM: new requests are refused, readiness fails.
+    draining: bool = False
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start serving; call from the event loop that consumes the outputs."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop (blocking; call from a worker thread in async code)."""
+
+    @abstractmethod
+    def add_output_listener(self, listener: Callable[[list[RequestOutput]], None]) -> None:
+        """Call `listener(outputs)` on the event loop with every step's outputs (for metrics)."""
+
+    @abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests admitted and not yet answered."""
+
+    @abstractmethod
+    def abort_all(self, reason: str = "abort") -> None:
+        """End every request in flight."""
 
     @abstractmethod
     def generate_all(self, requests: Sequence[GenerateRequest]) -> list[RequestStream]:
@@ -130,6 +154,33 @@ def _engine_failed(exc: Exception) -> EngineUnavailableError:
 class _Abort:
     request_id: str
     reason: str
+
+
+def check_group(requests: Sequence[GenerateRequest], limits: AdmissionLimits) -> tuple[int, int]:
+    """(sequences, prompt tokens) of one group of requests admitted together. Raises
+    ConfigError (-> 400) when the group alone passes the waiting limits: no retry could admit it.
+    """
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise QiaoError("request ids of one group must differ")
+    num_seqs = sum(r.params.n for r in requests)
+    num_tokens = sum(len(r.prompt_token_ids) * r.params.n for r in requests)
+    if num_seqs > limits.max_waiting_seqs:
+        field_name = "n" if len(requests) == 1 else "prompt"
+        raise ConfigError(
+            f"{field_name}: the request holds {num_seqs} sequences (prompts x n) but at most "
+            f"{limits.max_waiting_seqs} may wait to start (max_waiting_requests); send fewer "
+            "prompts or a smaller n",
+            param=field_name,
+        )
+    if num_tokens > limits.max_waiting_tokens:
+        raise ConfigError(
+            f"prompt: the request holds {num_tokens} prompt tokens (prompts x n) but at most "
+            f"{limits.max_waiting_tokens} may wait to start (max_waiting_tokens); send "
+            "shorter or fewer prompts, or a smaller n",
+            param="prompt",
+        )
+    return num_seqs, num_tokens
 
 
 class RequestStream:
@@ -304,7 +355,8 @@ class AsyncEngine(EngineClient):
         return EngineHealth(True)
 
     def stats(self) -> dict[str, Any]:
-        return self._stats
+        alive = self._thread is not None and self._thread.is_alive()
+        return {**self._stats, "engine_up": int(alive), "engine_restarts": 0}
 
     # --- admission (event-loop side) ------------------------------------------------------------
 
@@ -315,26 +367,8 @@ class AsyncEngine(EngineClient):
         if self.draining or self._stopping:
             raise EngineUnavailableError("the server is shutting down; retry on another replica")
         ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise QiaoError("request ids of one group must differ")
-        num_seqs = sum(r.params.n for r in requests)
-        num_tokens = sum(len(r.prompt_token_ids) * r.params.n for r in requests)
+        num_seqs, num_tokens = check_group(requests, self.limits)
         limits = self.limits
-        if num_seqs > limits.max_waiting_seqs:
-            field_name = "n" if len(requests) == 1 else "prompt"
-            raise ConfigError(
-                f"{field_name}: the request holds {num_seqs} sequences (prompts x n) but at most "
-                f"{limits.max_waiting_seqs} may wait to start (max_waiting_requests); send fewer "
-                "prompts or a smaller n",
-                param=field_name,
-            )
-        if num_tokens > limits.max_waiting_tokens:
-            raise ConfigError(
-                f"prompt: the request holds {num_tokens} prompt tokens (prompts x n) but at most "
-                f"{limits.max_waiting_tokens} may wait to start (max_waiting_tokens); send "
-                "shorter or fewer prompts, or a smaller n",
-                param="prompt",
-            )
         queues: list[asyncio.Queue[RequestOutput | BaseException]] = [
             asyncio.Queue() for _ in requests
         ]

@@ -1,6 +1,6 @@
 """Served model versions: what one loaded version of a model runs requests on.
 
-- `LLMVersion`: an `AsyncEngine` (continuous batching). OpenAI routes use its engine directly;
+- `LLMVersion`: an `EngineClient` (continuous batching, in its own process or a thread). OpenAI routes use its engine directly;
   KServe `infer` takes `text_input` (BYTES, one prompt per row) and optional `max_tokens`.
 - `EncoderVersion`: an encoder (PyTorch or ONNX Runtime) behind a `DynamicBatcher`. Requests
   carry texts (or token ids); a batch is every queued request's rows run as one `embed` call,
@@ -26,7 +26,7 @@ from qiao.repository.types import TensorSpec
 from qiao.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from qiao.engine.async_engine import AsyncEngine, RequestStream
+    from qiao.engine.async_engine import EngineClient, RequestStream
     from qiao.engine.batcher import BatcherConfig
     from qiao.runner.encoder import Encoder
 
@@ -62,7 +62,7 @@ class LLMVersion:
     )
     outputs = (TensorSpec("text_output", "BYTES", (-1,)),)
 
-    def __init__(self, model: str, version: str, engine: AsyncEngine) -> None:
+    def __init__(self, model: str, version: str, engine: EngineClient) -> None:
         self.model = model
         self.version = version
         self.engine = engine

@@ -443,7 +443,13 @@ class InProcessServer:
 def serve_settings(stories_dir: Path, **overrides: Any) -> Any:
     from qiao.api.settings import ServeSettings
 
-    defaults: dict[str, Any] = {"model": str(stories_dir), "log_interval": 0, "num_kv_blocks": 256}
+    # A thread engine: tests hold or slow its steps (StepGate) and read its scheduler directly.
+    defaults: dict[str, Any] = {
+        "model": str(stories_dir),
+        "log_interval": 0,
+        "num_kv_blocks": 256,
+        "in_process_engine": True,
+    }
     return ServeSettings(**{**defaults, **overrides})
 
 

@@ -1,0 +1,217 @@
+"""The engine process: one `LLMEngine` driven by frames from the API process.
+
+Started by `ProcessEngine` as `python -m qiao.engine.engine_worker FD` with one end of a socket
+pair. It reads its settings from the first frame, builds the engine (weights, kernels, KV pool),
+answers `ready` (or `failed`), then loops: take every command that arrived (add, abort, stop),
+end requests whose deadline passed, run a step, and send one `step` frame with that turn's
+outputs. Nothing here is shared with the API process but the socket, so a crash, a kernel
+segfault or an out-of-memory kill here ends this process alone; the API process answers the
+requests it held and starts another.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from qiao import envs
+from qiao.config import EngineConfig
+from qiao.engine import wire
+from qiao.engine.llm_engine import LLMEngine
+from qiao.errors import QiaoError
+from qiao.outputs import RequestOutput
+
+logger = logging.getLogger("qiao.engine.process")
+
+
+class EngineWorker:
+    def __init__(self, sock: socket.socket, engine: LLMEngine, log_interval: float) -> None:
+        self.sock = sock
+        self.engine = engine
+        self.log_interval = log_interval
+        self.reader = wire.FrameReader()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ)
+        self.deadlines: list[tuple[float, str]] = []
+        self.applied = 0  # sequence number of the last command applied
+        self.stopping = False
+
+    def run(self) -> None:
+        last_log, last_counts = time.monotonic(), (0, 0)
+        while not self.stopping:
+            commands = self._receive(block=not self.engine.has_unfinished_requests())
+            if commands is None:
+                return  # the API process is gone
+            outputs, failed = self._apply(commands)
+            outputs += self._expire_deadlines()
+            stepped = False
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs += self.engine.step()
+                except Exception as exc:  # a bug in a step: fail what is in flight, go on
+                    logger.exception("engine step failed; failing the requests in flight")
+                    failed += self._fail_all(exc)
+                stepped = True
+            if commands or outputs or failed or stepped:
+                self._send(outputs, failed)
+            now = time.monotonic()
+            if self.log_interval and now - last_log >= self.log_interval:
+                last_counts = self._log_throughput(now - last_log, last_counts)
+                last_log = now
+
+    def _receive(self, block: bool) -> list[dict[str, Any]] | None:
+        """Every command frame available now; when `block`, wait for one (or a deadline, or
+        the next log line). None when the API process closed its end."""
+        timeout: float | None = 0.0
+        if block:
+            timeout = self.log_interval or None
+            if self.deadlines:
+                until = max(self.deadlines[0][0] - time.monotonic(), 0.0)
+                timeout = until if timeout is None else min(timeout, until)
+        frames: list[dict[str, Any]] = []
+        while self.selector.select(timeout):
+            data = self.sock.recv(1 << 20)
+            if not data:
+                return None
+            frames += self.reader.feed(data)
+            timeout = 0.0
+        return frames
+
+    def _apply(self, commands: list[dict[str, Any]]) -> tuple[list[RequestOutput], list[list[Any]]]:
+        outputs: list[RequestOutput] = []
+        failed: list[list[Any]] = []
+        for command in commands:
+            kind = command["t"]
+            if kind == "add":
+                for rid, prompt, params, priority, deadline, arrival in command["requests"]:
+                    try:
+                        self.engine.add_request(
+                            rid,
+                            prompt,
+                            wire.params_from_wire(params),
+                            priority=priority,
+                            stream=True,
+                            arrival_time=arrival,
+                        )
+                    except QiaoError as exc:
+                        failed.append([rid, type(exc).__name__, str(exc)])
+                        continue
+                    except Exception as exc:  # a bug: this request fails, the loop goes on
+                        logger.exception("adding request %s failed", rid)
+                        failed.append([rid, "EngineUnavailableError", _engine_failed(exc)])
+                        continue
+                    if deadline is not None:
+                        heapq.heappush(self.deadlines, (deadline, rid))
+                self.applied = command["seq"]
+            elif kind == "abort":
+                outputs += self.engine.abort_request(command["ids"], reason=command["reason"])
+            elif kind == "stop":
+                self.stopping = True
+        return outputs, failed
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            expired.append(heapq.heappop(self.deadlines)[1])
+        return self.engine.abort_request(expired, reason="timeout") if expired else []
+
+    def _fail_all(self, exc: Exception) -> list[list[Any]]:
+        request_ids = list(self.engine.output_processor.states)
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("could not abort the failed requests")
+        message = _engine_failed(exc)
+        return [[rid, "EngineUnavailableError", message] for rid in request_ids]
+
+    def _send(self, outputs: list[RequestOutput], failed: list[list[Any]]) -> None:
+        frame = {
+            "t": "step",
+            "outputs": [wire.output_to_wire(o) for o in outputs],
+            "failed": failed,
+            "applied": self.applied,
+            "stats": self.engine.stats(),
+            "time": time.monotonic(),
+        }
+        self.sock.sendall(wire.pack(frame))
+
+    def _log_throughput(self, elapsed: float, last: tuple[int, int]) -> tuple[int, int]:
+        stats = self.engine.stats()
+        computed = stats["num_computed_tokens_total"]
+        generated = stats["num_generated_tokens_total"]
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and (computed, generated) == last:
+            return last  # nothing happened: an idle engine stays quiet
+        logger.info(
+            "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
+            "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
+            (computed - last[0]) / elapsed,
+            (generated - last[1]) / elapsed,
+            stats["num_running"],
+            stats["num_waiting"],
+            100 * stats["kv_cache_usage"],
+            100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
+        )
+        return computed, generated
+
+
+def _engine_failed(exc: Exception) -> str:
+    # The type only: the message may carry internals; the log has the traceback.
+    return f"the engine failed while serving this request ({type(exc).__name__}); retry"
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    # The API process stops this one with a `stop` frame or by closing the socket; a signal
+    # meant for the server's process group (Ctrl-C) must not kill it mid-step first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settings = wire.recv_frame(sock)
+    if settings is None:
+        return 1
+    logging.basicConfig(
+        level=settings["log_level"],
+        format=f"%(asctime)s %(levelname)s engine[{os.getpid()}] %(name)s: %(message)s",
+    )
+    try:
+        if settings["num_threads"] is not None:
+            import torch
+
+            torch.set_num_threads(settings["num_threads"])
+        engine = LLMEngine(EngineConfig.from_dict(settings["config"]))
+        hook = envs.engine_hook()
+        if hook is not None:
+            module_name, _, function = hook.partition(":")
+            getattr(importlib.import_module(module_name), function)(engine)
+    except Exception as exc:
+        logger.exception("the engine failed to start")
+        message = str(exc) if isinstance(exc, QiaoError) else f"{type(exc).__name__}: {exc}"
+        sock.sendall(wire.pack({"t": "failed", "error": message}))
+        return 1
+    block_size = engine.block_manager.block_size
+    sock.sendall(
+        wire.pack(
+            {
+                "t": "ready",
+                "pid": os.getpid(),
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.arch.vocab_size,
+                "max_sequence_tokens": min(engine.max_model_len, engine.num_kv_blocks * block_size),
+                "stats": engine.stats(),
+            }
+        )
+    )
+    EngineWorker(sock, engine, settings["log_interval"]).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
