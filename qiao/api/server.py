@@ -195,7 +195,12 @@ def build_app(settings: ServeSettings) -> Any:
 
     def build_manager(metrics: Any) -> ModelManager:
         return ModelManager(
-            VersionBuilder(admission_limits(settings), seed=settings.seed),
+            VersionBuilder(
+                admission_limits(settings),
+                seed=settings.seed,
+                in_process_engine=settings.in_process_engine,
+                log_level=settings.log_level.upper(),
+            ),
             root,
             mode=settings.model_control_mode,
             poll_interval=settings.repository_poll_interval,

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from qiao.config import EngineConfig
-from qiao.engine.async_engine import AdmissionLimits, AsyncEngine
+from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
+from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import ConfigError
 from qiao.repository.manager import Served
@@ -20,9 +21,20 @@ from qiao.runner.encoder import load_encoder
 
 
 class VersionBuilder:
-    def __init__(self, limits: AdmissionLimits, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        *,
+        seed: int = 0,
+        in_process_engine: bool = False,
+        log_level: str = "INFO",
+    ) -> None:
+        """LLM versions run in their own supervised engine process, unless `in_process_engine`
+        (a thread of this process)."""
         self.limits = limits
         self.seed = seed
+        self.in_process_engine = in_process_engine
+        self.log_level = log_level
 
     def __call__(self, entry: ModelEntry, vdir: VersionDir) -> Served:
         config = entry.config
@@ -54,13 +66,13 @@ class VersionBuilder:
             backend=config.backend,
         )
 
-    def _engine(self, entry: ModelEntry, vdir: VersionDir) -> AsyncEngine:
+    def _engine(self, entry: ModelEntry, vdir: VersionDir) -> EngineClient:
         config = entry.config
         assert config is not None
         kwargs: dict[str, Any] = config.engine_kwargs()
         if config.llm is None or "seed" not in config.llm.model_fields_set:
             kwargs["seed"] = self.seed
-        path = str(vdir.path)
-        return AsyncEngine.build(
-            lambda: LLMEngine(EngineConfig.create(path, **kwargs)), self.limits
-        )
+        engine_config = EngineConfig.create(str(vdir.path), **kwargs)
+        if self.in_process_engine:
+            return AsyncEngine.build(lambda: LLMEngine(engine_config), self.limits)
+        return ProcessEngine.build(engine_config, self.limits, log_level=self.log_level)

