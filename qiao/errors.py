@@ -45,3 +45,20 @@ class ModelNotFoundError(QiaoError, LookupError):
 
 class QueueTimeoutError(QiaoError):
     """A request waited in a batcher queue past its timeout and was not run."""
+
+
+class RequestFailedError(QiaoError):
+    """The engine failed on this request (found by retrying its step in halves); it was ended
+    alone and the others in its step went on. Its prompt is refused for a while after."""
+
+
+class RequestTooLargeError(ConfigError):
+    """The request does not fit in the engine's memory even alone."""
+
+
+class CircuitOpenError(EngineUnavailableError):
+    """The model version's circuit breaker is open: refused at once, without queueing."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

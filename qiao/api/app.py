@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -24,6 +25,7 @@ from qiao.api.openai_routes import router as openai_router
 from qiao.api.openapi import install_openapi
 from qiao.api.settings import ServeSettings
 from qiao.engine.async_engine import EngineClient
+from qiao.engine.breaker import BreakerState
 from qiao.repository.manager import ModelManager, Served
 from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.version import __version__
@@ -34,6 +36,14 @@ def llm_versions(manager: ModelManager | None) -> list[LLMVersion]:
     if manager is None:
         return []
     return [s for s in manager.served_versions() if isinstance(s, LLMVersion)]
+
+
+def circuit_breakers(manager: ModelManager) -> dict[str, str]:
+    """ "model@version" -> its LLM engine's breaker state (closed, open, half-open)."""
+    return {
+        f"{s.model}@{s.version}": BreakerState(s.engine.stats().get("breaker_state", 0)).label
+        for s in llm_versions(manager)
+    }
 
 
 def _observe(metrics: ServerMetrics, served: Served) -> None:
@@ -113,7 +123,7 @@ def _add_health_routes(app: FastAPI) -> None:
         return {"status": "ok"}
 
     @app.get("/health/ready", response_model=None)
-    async def ready(request: Request) -> JSONResponse | dict[str, str]:
+    async def ready(request: Request) -> JSONResponse | dict[str, Any]:
         """Models are loaded and their engines are making progress (and not draining)."""
         manager: ModelManager = request.app.state.router
         if request.app.state.draining:
@@ -121,7 +131,7 @@ def _add_health_routes(app: FastAPI) -> None:
         reason = manager.not_ready_reason()
         if reason is not None:
             return JSONResponse(error_body(503, reason), status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "circuit_breakers": circuit_breakers(manager)}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

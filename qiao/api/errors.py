@@ -14,12 +14,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.errors import (
+    CircuitOpenError,
     ConfigError,
     EngineRestartedError,
     EngineUnavailableError,
     ModelNotFoundError,
     QueueFullError,
     QueueTimeoutError,
+    RequestFailedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,12 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, ModelNotFoundError):
         return APIError(404, str(exc), code="model_not_found")
+    if isinstance(exc, CircuitOpenError):
+        return APIError(
+            503, str(exc), code="circuit_open", headers={"Retry-After": str(exc.retry_after)}
+        )
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, EngineRestartedError):
         return APIError(503, str(exc), code="engine_restarted", headers={"Retry-After": "1"})
     if isinstance(exc, EngineUnavailableError):

@@ -185,12 +185,15 @@ def _control(request: Request) -> ModelControl:
 
 
 def _row(status: VersionStatus, state: str) -> dict[str, str]:
-    return {
+    row = {
         "name": status.model,
         "version": status.version,
         "state": state,
         "reason": _public(status.reason),
     }
+    if status.circuit_breaker is not None:
+        row["circuit_breaker"] = status.circuit_breaker
+    return row
 
 
 def _model_rows(request: Request, name: str) -> dict[str, Any]:

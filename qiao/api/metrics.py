@@ -277,6 +277,20 @@ class _EngineCollector(Collector):
                 s.get("engine_up", 1),
             )
             add(
+                G,
+                "qiao:circuit_breaker_state",
+                "The version's circuit breaker: 0 closed, 1 open, 2 half-open.",
+                label,
+                s.get("breaker_state", 0),
+            )
+            add(
+                C,
+                "qiao:circuit_breaker_opened",
+                "Times the version's circuit breaker opened.",
+                label,
+                s.get("breaker_opened", 0),
+            )
+            add(
                 C,
                 "qiao:engine_restarts",
                 "Engine process restarts (exits, kills, stalls).",

@@ -24,6 +24,7 @@ from qiao.api.settings import ServeSettings
 from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
+from qiao.engine.breaker import BreakerConfig
 from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
@@ -104,6 +105,11 @@ def admission_limits(settings: ServeSettings) -> AdmissionLimits:
         max_waiting_tokens=settings.max_waiting_tokens,
         stall_timeout=settings.stall_timeout,
         log_interval=settings.log_interval,
+        breaker=BreakerConfig(
+            failures=settings.breaker_failures,
+            window=settings.breaker_window,
+            cooldown=settings.breaker_cooldown,
+        ),
     )
 
 

@@ -180,6 +180,16 @@ class ServeSettings(BaseSettings):
         description="readiness fails after this long without a step with work queued (s); an "
         "engine process is then killed and restarted",
     )
+    breaker_failures: int = Field(
+        5,
+        ge=0,
+        description="engine failures within --breaker-window that open a model version's "
+        "circuit breaker (its requests then get 503 at once); 0 = never",
+    )
+    breaker_window: float = Field(30.0, gt=0, description="circuit breaker failure window (s)")
+    breaker_cooldown: float = Field(
+        10.0, gt=0, description="seconds an open breaker refuses before one probe request"
+    )
     in_process_engine: bool = Field(
         False,
         description="run the LLM engine as a thread of the server process, not in its own "

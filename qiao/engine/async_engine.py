@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qiao.engine.breaker import BreakerConfig, CircuitBreaker
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import ConfigError, EngineUnavailableError, QiaoError, QueueFullError
 from qiao.outputs import RequestOutput
@@ -52,6 +53,8 @@ class AdmissionLimits:
     stall_timeout: float = 30.0
     # Seconds between throughput / KV-usage log lines (0 = never).
     log_interval: float = 10.0
+    # When repeated engine failures stop admission for a while (see `breaker`).
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
 
 @dataclass
@@ -183,6 +186,11 @@ def check_group(requests: Sequence[GenerateRequest], limits: AdmissionLimits) ->
     return num_seqs, num_tokens
 
 
+def completed_normally(output: RequestOutput) -> bool:
+    """A finished output whose samples all ended by a stop condition or their length."""
+    return output.finished and all(c.finish_reason in ("stop", "length") for c in output.outputs)
+
+
 class RequestStream:
     """Delta outputs of one request; closing it before the last output aborts the request."""
 
@@ -244,6 +252,7 @@ class AsyncEngine(EngineClient):
         self._stopping = False
         self.draining = False
         self.error: BaseException | None = None
+        self.breaker = CircuitBreaker(self.limits.breaker, "this model version")
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -356,7 +365,13 @@ class AsyncEngine(EngineClient):
 
     def stats(self) -> dict[str, Any]:
         alive = self._thread is not None and self._thread.is_alive()
-        return {**self._stats, "engine_up": int(alive), "engine_restarts": 0}
+        return {
+            **self._stats,
+            "engine_up": int(alive),
+            "engine_restarts": 0,
+            "breaker_state": int(self.breaker.state),
+            "breaker_opened": self.breaker.num_opened,
+        }
 
     # --- admission (event-loop side) ------------------------------------------------------------
 
@@ -366,6 +381,7 @@ class AsyncEngine(EngineClient):
         """Queue every request of one group, or none: the limits are checked for the whole."""
         if self.draining or self._stopping:
             raise EngineUnavailableError("the server is shutting down; retry on another replica")
+        self.breaker.allow()
         ids = [r.request_id for r in requests]
         num_seqs, num_tokens = check_group(requests, self.limits)
         limits = self.limits
@@ -398,6 +414,8 @@ class AsyncEngine(EngineClient):
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            if completed_normally(output):
+                self.breaker.record_success()
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
@@ -432,6 +450,10 @@ class AsyncEngine(EngineClient):
         outputs = self._apply_commands() + self._expire_deadlines()
         if self.engine.has_unfinished_requests():
             outputs += self.engine.step()
+            # Requests a failing step ended alone: their errors go ahead of their last output.
+            for request_id, error in self.engine.take_failed_requests():
+                self.breaker.record_failure()
+                self._post(self._fail, request_id, error)
         with self._lock:
             self._progress_time = time.monotonic()
             self._publish_stats()
@@ -487,6 +509,7 @@ class AsyncEngine(EngineClient):
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         """Fail every request in flight: those in the engine and those still in the API."""
         request_ids = list(self.engine.output_processor.states)
+        self.breaker.record_failure()
         with self._lock:
             waiting = set(self._queues) | set(request_ids)
             # Adds not applied yet are failed too: drop them so they never run unwatched.

@@ -38,7 +38,9 @@ from qiao.engine.async_engine import (
     GenerateRequest,
     RequestStream,
     check_group,
+    completed_normally,
 )
+from qiao.engine.breaker import CircuitBreaker
 from qiao.errors import (
     EngineRestartedError,
     EngineUnavailableError,
@@ -131,6 +133,7 @@ class ProcessEngine(EngineClient):
         self._down_reason = "not started"
         self._stopping = False
         self._stopped = threading.Event()
+        self.breaker = CircuitBreaker(limits.breaker, "this model version")
         self._kill_reason: str | None = None  # why the supervisor killed the engine, if it did
         self.restarts = 0
         self.draining = False
@@ -206,6 +209,7 @@ class ProcessEngine(EngineClient):
     def generate_all(self, requests: Sequence[GenerateRequest]) -> list[RequestStream]:
         if self.draining or self._stopping:
             raise EngineUnavailableError("the server is shutting down; retry on another replica")
+        self.breaker.allow()
         if not self._up:
             raise EngineRestartedError(f"the engine is restarting ({self._down_reason}); retry")
         num_seqs, num_tokens = check_group(requests, self.limits)
@@ -284,7 +288,13 @@ class ProcessEngine(EngineClient):
         return EngineHealth(True)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._stats, "engine_up": int(self._up), "engine_restarts": self.restarts}
+        return {
+            **self._stats,
+            "engine_up": int(self._up),
+            "engine_restarts": self.restarts,
+            "breaker_state": int(self.breaker.state),
+            "breaker_opened": self.breaker.num_opened,
+        }
 
     @property
     def pid(self) -> int | None:
@@ -309,8 +319,14 @@ class ProcessEngine(EngineClient):
         self._stats = frame["stats"]
         while self._pending and self._pending[0][0] <= frame["applied"]:
             self._pending.popleft()
+        step_failed = False
         for rid, kind, message in frame["failed"]:
+            if kind == "RequestFailedError" and rid in self._queues:
+                self.breaker.record_failure()
+            step_failed |= kind == "EngineUnavailableError"
             self._fail(rid, getattr(errors, kind, EngineUnavailableError)(message))
+        if step_failed:
+            self.breaker.record_failure()  # one failed step, however many requests it held
         outputs = []
         for values in frame["outputs"]:
             rid = values[0]
@@ -324,6 +340,8 @@ class ProcessEngine(EngineClient):
                 queue.put_nowait(output)
             if output.finished:
                 self._prompts.pop(rid, None)
+                if completed_normally(output):
+                    self.breaker.record_success()
         for listener in self._listeners:
             listener(outputs)
 
@@ -397,6 +415,7 @@ class ProcessEngine(EngineClient):
 
     def _on_engine_lost(self, child: _Child, cause: str, delay: float) -> None:
         self.restarts += 1
+        self.breaker.record_failure()  # one death, however many requests it held
         self._down_reason = f"the last one {cause}"
         held = list(self._queues)
         logger.error(

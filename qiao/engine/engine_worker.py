@@ -56,9 +56,13 @@ class EngineWorker:
             if self.engine.has_unfinished_requests():
                 try:
                     outputs += self.engine.step()
-                except Exception as exc:  # a bug in a step: fail what is in flight, go on
+                except Exception as exc:  # a bug outside the forward: fail what is in flight
                     logger.exception("engine step failed; failing the requests in flight")
                     failed += self._fail_all(exc)
+                failed += [
+                    [rid, type(error).__name__, str(error)]
+                    for rid, error in self.engine.take_failed_requests()
+                ]
                 stepped = True
             if commands or outputs or failed or stepped:
                 self._send(outputs, failed)

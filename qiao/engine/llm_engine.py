@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import logging
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,17 +20,20 @@ from qiao.engine.block_manager import BlockManager
 from qiao.engine.output_processor import OutputProcessor
 from qiao.engine.request import Request, RequestStatus
 from qiao.engine.scheduler import Scheduler
-from qiao.errors import ConfigError
+from qiao.errors import ConfigError, QiaoError, RequestFailedError, RequestTooLargeError
 from qiao.hal.platform import default_device, resolve_dtype
 from qiao.kernels import cpu_ops
 from qiao.models.arch_config import load_arch_config
 from qiao.outputs import RequestOutput
 from qiao.runner.model_runner import ModelRunner
 from qiao.sampling_params import SamplingParams
-from qiao.step import ModelRunnerOutput
+from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from qiao.tokenizer import load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# How long a prompt that made a step fail is refused.
+FAILED_PROMPT_TTL_S = 60.0
 
 PromptType = str | list[int]
 
@@ -80,6 +84,10 @@ class LLMEngine:
         self.num_computed_tokens_total = 0  # prompt and recomputed tokens plus decode inputs
         self.num_generated_tokens_total = 0
         self._arrivals = itertools.count()
+        # Requests ended alone by a failing step, for the serving loop to answer.
+        self.failed_requests: list[tuple[str, QiaoError]] = []
+        # Prompts that made a step fail: key -> refused until (time.monotonic()).
+        self._refused_prompts: dict[bytes, float] = {}
 
     def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model
@@ -99,16 +107,109 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update once; return the outputs that are ready."""
+        """Schedule, execute and update once; return the outputs that are ready.
+
+        A forward that raises is retried in halves (`_isolate`) until the requests that make it
+        fail are found: they end alone (`failed_requests`), the rest of the step goes on."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        failed: list[RequestOutput] = []
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:
+            scheduler_output, runner_output, failed = self._isolate(scheduler_output, exc)
         updated = self.scheduler.update(scheduler_output, runner_output)
         self.num_steps += 1
         self.num_computed_tokens_total += scheduler_output.num_scheduled_tokens
         self.num_generated_tokens_total += len(updated)
         touched, stopped = self.output_processor.process(updated, runner_output)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return self._collect(touched)
+        return failed + self._collect(touched)
+
+    def take_failed_requests(self) -> list[tuple[str, QiaoError]]:
+        """(request id, error) of the requests ended alone since the last call."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
+    def _isolate(
+        self, scheduler_output: SchedulerOutput, error: Exception
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput, list[RequestOutput]]:
+        """Re-run a failed step in halves until each failing part is one request; end those
+        alone. Returns the step that ran (the others), its output, and the failed ones' final
+        outputs (finish_reason "error")."""
+        logger.warning(
+            "a step of %d requests failed (%s); retrying in halves to find the cause",
+            len(scheduler_output.scheduled),
+            type(error).__name__,
+        )
+        good: list[ScheduledRequest] = []
+        bad: list[tuple[ScheduledRequest, Exception]] = []
+        merged = ModelRunnerOutput()
+        rows: list[tuple[list[int], list[float]] | None] = []
+        ranks: list[int] = []
+
+        def run(items: list[ScheduledRequest], known_error: Exception | None) -> None:
+            if not items:
+                return
+            if known_error is None:
+                try:
+                    out = self.runner.execute(_sub_step(items))
+                except Exception as exc:
+                    known_error = exc
+                else:
+                    good.extend(items)
+                    merged.req_ids += out.req_ids
+                    merged.sampled_token_ids += out.sampled_token_ids
+                    rows.extend(out.logprobs or [None] * len(out.req_ids))
+                    ranks.extend(out.sampled_ranks or [0] * len(out.req_ids))
+                    return
+            if len(items) == 1:
+                bad.append((items[0], known_error))
+                return
+            half = len(items) // 2
+            run(items[:half], None)
+            run(items[half:], None)
+
+        run(scheduler_output.scheduled, error)
+        if any(row is not None for row in rows):
+            merged.logprobs, merged.sampled_ranks = rows, ranks
+        outputs = []
+        for item, exc in bad:
+            outputs += self._fail_request(item.request, exc)
+        return _sub_step(good), merged, outputs
+
+    def _fail_request(self, request: Request, exc: Exception) -> list[RequestOutput]:
+        """End the user request `request` belongs to (every sample of it), alone."""
+        parent_id, _ = self.output_processor.children.get(request.request_id, (None, 0))
+        if parent_id is None:
+            return []
+        state = self.output_processor.states[parent_id]
+        if _is_out_of_memory(exc):
+            logger.warning("request %s does not fit in memory even alone; ending it", parent_id)
+            error: QiaoError = RequestTooLargeError(
+                "prompt: the request does not fit in the engine's memory even alone; shorten "
+                "the prompt or lower max_tokens / n"
+            )
+        else:
+            logger.error(
+                "request %s makes the engine fail (%s); ending it alone, its prompt refused "
+                "for %.0f s",
+                parent_id,
+                type(exc).__name__,
+                FAILED_PROMPT_TTL_S,
+                exc_info=exc,
+            )
+            self._refused_prompts[_prompt_key(state.prompt_token_ids)] = (
+                time.monotonic() + FAILED_PROMPT_TTL_S
+            )
+            error = RequestFailedError(
+                f"the engine failed on this request ({type(exc).__name__}) and ended it alone; "
+                "the same prompt is refused for a while"
+            )
+        for child_id in state.child_ids:
+            self.scheduler.fail_request(child_id)
+            self.output_processor.finish(child_id, "error")
+        self.failed_requests.append((parent_id, error))
+        return self._collect([parent_id])
 
     def add_request(
         self,
@@ -124,6 +225,7 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             raise ConfigError(f"request_id {request_id!r} is already running")
         prompt_text, prompt_ids = self._tokenize(prompt)
+        self._refuse_failed_prompt(prompt_ids)
         max_total = self._check_lengths(prompt_ids, params)
         arrival_seq = next(self._arrivals)
         children = [
@@ -214,6 +316,19 @@ class LLMEngine:
             )
         return max_total
 
+    def _refuse_failed_prompt(self, prompt_ids: list[int]) -> None:
+        if not self._refused_prompts:
+            return
+        now = time.monotonic()
+        for key in [k for k, until in self._refused_prompts.items() if until <= now]:
+            del self._refused_prompts[key]
+        until = self._refused_prompts.get(_prompt_key(prompt_ids))
+        if until is not None:
+            raise RequestFailedError(
+                "this prompt made the engine fail moments ago; it is refused for "
+                f"{until - now:.0f} s more"
+            )
+
     def _child_seed(self, seed: int | None, index: int) -> int:
         """Sample i of a seeded request gets a seed derived from (seed, i); sample 0 the seed."""
         if seed is None:
@@ -222,6 +337,21 @@ class LLMEngine:
             return seed
         digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _sub_step(items: list[ScheduledRequest]) -> SchedulerOutput:
+    """A step of only `items` (the same requests' shares, nothing else)."""
+    return SchedulerOutput(
+        scheduled=list(items), num_scheduled_tokens=sum(len(s.token_ids) for s in items)
+    )
+
+
+def _is_out_of_memory(exc: Exception) -> bool:
+    return isinstance(exc, MemoryError | torch.OutOfMemoryError)
+
+
+def _prompt_key(prompt_ids: list[int]) -> bytes:
+    return hashlib.sha256(repr(prompt_ids).encode()).digest()
 
 
 __all__ = ["LLMEngine", "ModelRunnerOutput"]

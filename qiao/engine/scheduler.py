@@ -99,6 +99,21 @@ class Scheduler:
                 self._finish(request, status)
         return updated
 
+    def fail_request(self, req_id: str) -> None:
+        """End a request whose step failed: its blocks are freed, and the ones it had offered to
+        the prefix cache in that step (never written) are withdrawn."""
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting = [entry for entry in self.waiting if entry[2] is not request]
+            heapq.heapify(self.waiting)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.block_manager.free(request, request.num_computed_tokens)
+        del self.requests[req_id]
+
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         """End requests wherever they are (abort, stop string, deadline); blocks free now."""
         for req_id in req_ids:

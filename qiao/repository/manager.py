@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from qiao.engine.breaker import BreakerState
 from qiao.errors import ConfigError, EngineUnavailableError, ModelNotFoundError, QiaoError
 from qiao.repository.scan import (
     MAX_VERSION_LENGTH,
@@ -252,7 +253,9 @@ class ModelManager:
                 rows.append(VersionStatus(name, "", VersionState.UNAVAILABLE, m.error))
             for version in sorted(m.slots, key=int):
                 slot = m.slots[version]
-                rows.append(VersionStatus(name, version, slot.state, slot.reason))
+                rows.append(
+                    VersionStatus(name, version, slot.state, slot.reason, _breaker(slot.served))
+                )
         return rows
 
     async def load(self, model: str) -> None:
@@ -490,6 +493,14 @@ def _initial_weights(entry: ModelEntry) -> dict[str, float] | None:
     if not traffic:
         return None
     return {str(v): float(w) for v, w in traffic.items()}
+
+
+def _breaker(served: Served | None) -> str | None:
+    """The circuit breaker state of a served LLM version (None for others)."""
+    engine = getattr(served, "engine", None)
+    if engine is None:
+        return None
+    return BreakerState(engine.stats().get("breaker_state", 0)).label
 
 
 def _check_weights(weights: dict[str, float]) -> dict[str, float]:

@@ -79,6 +79,7 @@ class VersionStatus:
     version: str
     state: VersionState
     reason: str = ""
+    circuit_breaker: str | None = None  # an LLM version's breaker: closed, open, half-open
 
 
 class ModelRouter(Protocol):

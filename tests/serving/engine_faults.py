@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# A prompt whose first token is this id (a token-id prompt) sets the fault off.
+# A token-id prompt whose first token is MARK hangs its step; one starting with RAISE makes every
+# step it is in raise.
 MARK = 400
+RAISE = 401
 
 
 def _marked(scheduler_output: Any) -> bool:
@@ -26,3 +28,17 @@ def hang_on_mark(engine: Any) -> None:
         return execute(scheduler_output)
 
     engine.runner.execute = hanging
+
+
+def faults(engine: Any) -> None:
+    """MARK hangs the step that prefills it; RAISE makes each step it is in raise."""
+    execute = engine.runner.execute
+
+    def faulty(scheduler_output: Any) -> Any:
+        if _marked(scheduler_output):
+            time.sleep(3600)
+        if any(s.request.prompt_token_ids[0] == RAISE for s in scheduler_output.scheduled):
+            raise RuntimeError("injected fault")
+        return execute(scheduler_output)
+
+    engine.runner.execute = faulty

@@ -26,7 +26,7 @@ from .conftest import (
     parse_metrics,
     wait_until,
 )
-from .engine_faults import MARK
+from .engine_faults import MARK, RAISE
 
 NUM_STREAMS = 20
 
@@ -77,7 +77,7 @@ class LivenessProbe:
 def supervised(stories_dir: Path, tmp_path: Path) -> Iterator[SubprocessServer]:
     env = {
         **os.environ,
-        "QIAO_ENGINE_HOOK": "tests.serving.engine_faults:hang_on_mark",
+        "QIAO_ENGINE_HOOK": "tests.serving.engine_faults:faults",
         "PYTHONPATH": str(Path(__file__).parents[2]),
     }
     server = SubprocessServer(
@@ -232,3 +232,25 @@ def test_other_models_keep_serving_while_an_engine_restarts(tmp_path: Path) -> N
             assert again.status_code == 200, again.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_breaks_the_engine_process_fails_alone(
+    supervised: SubprocessServer, stream: bool
+) -> None:
+    server = supervised
+    pid = engine_pid(server)
+
+    async def both() -> tuple[httpx.Response, str]:
+        async with async_http_client(server.base_url, timeout=60.0) as client:
+            bad = {"model": MODEL_NAME, "prompt": [RAISE, 5, 6], "max_tokens": 4}
+            bad_task = asyncio.ensure_future(client.post("/v1/completions", json=bad))
+            body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+            good = await client.post("/v1/completions", json={**body, "stream": stream})
+            return await bad_task, good.text
+
+    failed, good = asyncio.run(both())
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["code"] == "request_failed"
+    assert "error" not in good and "length" in good
+    assert engine_pid(server) == pid  # contained: the engine process went on
