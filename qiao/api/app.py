@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
+from qiao.api.keys import KeyLimiter, KeyRing
 from qiao.api.kserve import router as kserve_router
 from qiao.api.metrics import ServerMetrics
 from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
@@ -90,6 +91,7 @@ def create_app(
     app.state.model_name = settings.model_name
     app.state.metrics = metrics
     app.state.draining = False
+    app.state.key_limiter = None
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(embeddings_router)
@@ -108,11 +110,18 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    keys = settings.api_keys()
-    install_openapi(app, api_keys=bool(keys))
-    if keys:
+    keyring = KeyRing(settings.api_keys(), settings.keys_file)
+    install_openapi(app, api_keys=keyring.enabled)
+    if keyring.enabled:
+        limiter = KeyLimiter(settings.rate_limit_storage) if settings.keys_file else None
+        app.state.key_limiter = limiter
         # Added last, so it runs first: nothing else sees an unauthenticated request.
-        app.add_middleware(APIKeyMiddleware, api_keys=keys)
+        app.add_middleware(
+            APIKeyMiddleware,
+            keyring=keyring,
+            limiter=limiter,
+            on_outcome=lambda name, outcome: metrics.key_requests.labels(name, outcome).inc(),
+        )
     return app
 
 

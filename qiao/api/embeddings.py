@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from qiao.api.errors import APIError, as_api_error
+from qiao.api.keys import token_charger
 from qiao.api.limits import split_inputs
 from qiao.api.openai_routes import resolve_model
 from qiao.repository.served import EncoderVersion
@@ -59,6 +60,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
             error.param = error.param or "input"
         raise error from None
     num_tokens = sum(len(ids) for ids in token_ids)
+    charge = token_charger(request)
+    if charge is not None:
+        charge(num_tokens)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(row, body.encoding_format)}
         for i, row in enumerate(vectors)

@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.api.errors import as_api_error
+from qiao.api.keys import check_model_allowed
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -164,6 +165,7 @@ async def _infer(request: Request, model: str, version: str | None) -> Response:
     payload, binary = await _read_body(request)
     parameters = _object(payload.get("parameters"), "parameters")
     options = parse_options(parameters)
+    check_model_allowed(request, model)
     served = _model_router(request).get(model, version, user=options.user)
     entries = payload.get("inputs")
     if not isinstance(entries, list) or not entries:

@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -70,6 +76,21 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name", "version"]
         r = self.registry
+        # process_resident_memory_bytes and friends of the API process (Linux).
+        ProcessCollector(registry=r)
+        self.key_requests = Counter(
+            "qiao:api_key_requests",
+            "Requests of named API keys by outcome (admitted, limited_requests, limited_tokens, "
+            "limited_concurrency, model_not_allowed); the key itself is never a label.",
+            ["key_name", "outcome"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "qiao:api_key_tokens",
+            "Prompt + completion tokens charged to named API keys.",
+            ["key_name"],
+            registry=r,
+        )
         self.http_requests = Counter(
             "qiao:http_requests",
             "HTTP requests by route and status code.",
@@ -276,6 +297,14 @@ class _EngineCollector(Collector):
                 label,
                 s.get("engine_up", 1),
             )
+            if "resident_bytes" in s:
+                add(
+                    G,
+                    "qiao:engine_resident_memory_bytes",
+                    "Resident memory of the version's engine process.",
+                    label,
+                    s["resident_bytes"],
+                )
             add(
                 G,
                 "qiao:circuit_breaker_state",

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from qiao.api.errors import error_body
+from qiao.api.keys import KeyLimiter, KeyRing
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -46,17 +47,30 @@ async def send_error(
 
 
 class APIKeyMiddleware:
-    """Every route but the health probes needs `Authorization: Bearer <key>` when keys are set."""
+    """Every route but the health probes needs `Authorization: Bearer <key>` when keys are set.
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    The matched key (`keys.ApiKey`) is put in the request's state (`request.state.api_key`);
+    a key with limits has its POST requests counted (`keys.KeyLimiter`): past a limit, 429 with
+    Retry-After and the x-ratelimit-* headers, which also go on its other answers."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        limiter: KeyLimiter | None = None,
+        on_outcome: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.app = app
-        self.keys = [key.encode() for key in api_keys]
+        self.keyring = keyring
+        self.limiter = limiter
+        self.on_outcome = on_outcome or (lambda name, outcome: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        if not self._authorized(scope):
+        key = self.keyring.match(_bearer_token(dict(scope["headers"]).get(b"authorization", b"")))
+        if key is None:
             await send_error(
                 send,
                 401,
@@ -65,10 +79,46 @@ class APIKeyMiddleware:
                 path=scope["path"],
             )
             return
-        await self.app(scope, receive, send)
+        scope.setdefault("state", {})["api_key"] = key
+        if self.limiter is None or not key.is_limited or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        exceeded, headers = self.limiter.admit(key)
+        if exceeded is not None:
+            self.on_outcome(key.name, f"limited_{exceeded}")
+            await send_error(
+                send,
+                429,
+                f"rate limit reached for this API key: {_LIMIT_NAMES[exceeded]}; retry after "
+                "the Retry-After seconds",
+                headers,
+                path=scope["path"],
+            )
+            return
+        self.on_outcome(key.name, "admitted")
+        extra = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
 
-    def _authorized(self, scope: Scope) -> bool:
-        return bearer_matches(dict(scope["headers"]).get(b"authorization", b""), self.keys)
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            self.limiter.release(key)
+
+
+_LIMIT_NAMES = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "requests in flight at once",
+}
+
+
+def _bearer_token(header: bytes) -> bytes:
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 def decimal(value: bytes | str | None, max_digits: int = 18) -> int | None:

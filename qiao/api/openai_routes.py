@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from qiao.api.errors import APIError, as_api_error
+from qiao.api.keys import check_model_allowed, priority_for, token_charger
 from qiao.api.limits import (
     check_request_fields,
     resolve_max_tokens,
@@ -66,6 +67,7 @@ def resolve_model(request: Request, model: str, user: str | None) -> Any:
     """The served version that takes this request (pinned by `name@version`, else by the
     traffic weights, sticky per `user`)."""
     name, version = split_model_id(model)
+    check_model_allowed(request, name)
     try:
         return request.app.state.router.get(name, version, user=user)
     except Exception as exc:
@@ -258,7 +260,7 @@ def _start(
             f"{uuid.uuid4().hex}-{i}",
             prompt,
             params if budget == params.max_tokens else params.clone(max_tokens=budget),
-            priority=body.priority,
+            priority=priority_for(request, body.priority),
             deadline=deadline,
         )
         for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))
@@ -267,7 +269,9 @@ def _start(
         streams = engine.generate_all(requests)  # every prompt admitted, or none
     except Exception as exc:
         raise as_api_error(exc) from None
-    return Job(streams, [len(p) for p in prompts], body.n, num_logprobs, deadline)
+    return Job(
+        streams, [len(p) for p in prompts], body.n, num_logprobs, deadline, token_charger(request)
+    )
 
 
 def _sse(

@@ -94,8 +94,10 @@ _WHY = {
     401: "Missing or invalid API key",
     404: "Unknown model or version",
     408: "The request passed its `timeout`",
+    403: "This API key may not use the model",
     413: "Request body over --max-request-bytes",
     415: "Unsupported Content-Encoding",
+    429: "A rate limit of this API key: retry after Retry-After",
     431: "Request headers too large",
     500: "Internal error (details in the server log only)",
     503: "Overloaded, draining, or the model is not ready: retry after Retry-After",
@@ -146,6 +148,10 @@ def _describe(path: str, method: str, operation: dict[str, Any], *, api_keys: bo
     statuses = {400, 431, 500} | _ROUTE_STATUSES.get((method, path), set())
     if api_keys and path not in PUBLIC_PATHS:
         statuses.add(401)
+        if method == "post":
+            statuses.add(429)  # a named key's rate limits
+        if (method, path) in _ROUTE_STATUSES and 404 in _ROUTE_STATUSES[(method, path)]:
+            statuses.add(403)  # a named key's model list
     if method == "post":
         statuses.add(413)
     responses: dict[str, Any] = {"200": _success(path, method, operation)}
@@ -198,7 +204,7 @@ def _error_response(status: int, schema: dict[str, Any]) -> dict[str, Any]:
         "description": _WHY[status],
         "content": {"application/json": {"schema": schema}},
     }
-    if status == 503:
+    if status in (429, 503):
         response["headers"] = {
             "Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}}
         }

@@ -45,6 +45,8 @@ class Job:
     n: int
     num_top_logprobs: int | None  # None: no logprobs asked
     deadline: float | None = None  # time.monotonic() at which the request times out
+    # Charges the tokens of the answer (prompt + completion) to the API key, when keys are used.
+    charge: Callable[[int], None] | None = None
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -146,6 +148,8 @@ async def collect(job: Job, request: Request) -> list[Sample]:
         raise _timeout_error() from None
     except Exception as exc:  # engine-side failures become their HTTP errors
         raise as_api_error(exc) from None
+    if job.charge is not None:
+        job.charge(sum(job.num_prompt_tokens) + sum(len(s.token_ids) for s in samples))
     _raise_for_unfinished(samples)
     return samples
 
@@ -245,6 +249,8 @@ async def stream_events(
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:
         await close_all(job, reason)
+        if job.charge is not None:
+            job.charge(sum(job.num_prompt_tokens) + completion_tokens)
 
 
 def now() -> int:

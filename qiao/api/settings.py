@@ -145,6 +145,16 @@ class ServeSettings(BaseSettings):
         default_factory=list, description="accepted API key (repeatable; env: comma-separated)"
     )
     api_key_file: Path | None = Field(None, description="file with one accepted API key per line")
+    keys_file: Path | None = Field(
+        None,
+        description="YAML file of named API keys with model lists, requests / tokens per minute, "
+        "concurrency and priority ceilings (reloaded on change; see qiao/api/keys.py)",
+    )
+    rate_limit_storage: str = Field(
+        "memory://",
+        description="where per-key rate limits are counted: memory:// or redis://HOST:PORT "
+        "(shared by replicas)",
+    )
     allow_insecure_public_bind: bool = Field(
         False, description="allow a non-loopback bind without API key"
     )
@@ -289,6 +299,10 @@ class ServeSettings(BaseSettings):
         """Refuse empty or weak secrets, and a public bind without an API key unless explicitly
         told it is fine."""
         api_keys = self.api_keys()  # checks every key, whatever the bind
+        if self.keys_file is not None:
+            from qiao.api.keys import load_keys_file
+
+            api_keys += [key.name for key in load_keys_file(self.keys_file)]
         if not self.is_loopback_bind() and not api_keys and not self.allow_insecure_public_bind:
             raise ConfigError(
                 f"host {self.host!r} is not a loopback address and no API key is set: pass "

@@ -103,6 +103,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_latency(sub)
     _add_serve(sub)
     _add_embeddings(sub)
+    _add_soak(sub)
     _add_quality(sub)
 
 
@@ -686,3 +687,83 @@ def _report(
     print(formatter(report))
     write_json(json_path, report)
     return 0
+
+
+# --- soak -------------------------------------------------------------------------------------
+
+
+def _duration(text: str) -> float:
+    """Seconds, or a number with s / m / h: 90, 90s, 30m, 2h."""
+    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower())
+    try:
+        value = float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        message = f"expected a duration like 90, 30m or 2h, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the duration must be > 0")
+    return value
+
+
+def _add_soak(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "soak",
+        help="a steady mixed load for a long time, with a memory-leak verdict",
+        description="Closed-loop mixed load (completions, chat, streams, streams dropped "
+        "mid-way, embeddings when served) on a running qiao server; samples the API and engine "
+        "processes' resident memory and the load gauges from /metrics, and judges a leak from "
+        "the memory slope after a warm-up. Exits 1 on a leak.",
+    )
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--duration", type=_duration, default=60.0, help="load time: 90, 30m, 2h (default 60 s)"
+    )
+    p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight")
+    p.add_argument(
+        "--sample-interval", type=_positive_float, default=5.0, help="seconds between samples"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.2,
+        help="share of the duration left out of the verdict (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-slope",
+        type=float,
+        default=1.0,
+        help="MiB per minute of memory growth after the warm-up judged a leak (default "
+        "%(default)s)",
+    )
+    p.add_argument("--model", default=None, help="generative model (default: the first listed)")
+    p.add_argument(
+        "--embedding-model", default=None, help="embedding model (default: the first listed)"
+    )
+    p.add_argument("--max-tokens", type=_positive, default=32, help="max_tokens per request")
+    p.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix and prompts")
+    p.add_argument("--json", metavar="PATH", help="also write the report (all samples) as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no line per sample")
+    p.set_defaults(func=_cmd_soak)
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from qiao.bench.soak import SoakConfig, format_soak, run_soak, write_report
+
+    cfg = SoakConfig(
+        base_url=args.base_url,
+        duration=args.duration,
+        concurrency=args.concurrency,
+        sample_interval=args.sample_interval,
+        warmup=args.warmup,
+        max_slope=args.max_slope,
+        model=args.model,
+        embedding_model=args.embedding_model,
+        max_tokens=args.max_tokens,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+    report = run_soak(cfg, progress=not args.no_progress)
+    print(format_soak(report))
+    write_report(args.json, report)
+    return 1 if report.leak else 0

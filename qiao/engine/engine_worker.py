@@ -143,7 +143,7 @@ class EngineWorker:
             "outputs": [wire.output_to_wire(o) for o in outputs],
             "failed": failed,
             "applied": self.applied,
-            "stats": self.engine.stats(),
+            "stats": {**self.engine.stats(), "resident_bytes": resident_bytes()},
             "time": time.monotonic(),
         }
         self.sock.sendall(wire.pack(frame))
@@ -166,6 +166,18 @@ class EngineWorker:
             100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
         )
         return computed, generated
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _engine_failed(exc: Exception) -> str:
@@ -209,7 +221,7 @@ def main(argv: list[str]) -> int:
                 "max_model_len": engine.max_model_len,
                 "vocab_size": engine.arch.vocab_size,
                 "max_sequence_tokens": min(engine.max_model_len, engine.num_kv_blocks * block_size),
-                "stats": engine.stats(),
+                "stats": {**engine.stats(), "resident_bytes": resident_bytes()},
             }
         )
     )

@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from qiao.api import kserve
 from qiao.api.errors import install_error_handlers
+from qiao.api.keys import KeyRing
 from qiao.api.kserve_tensors import TensorHeader, from_json, from_raw, to_raw
 from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from qiao.errors import (
@@ -190,7 +191,7 @@ def kserve_app(router: FakeRouter, api_keys: list[str] | None = None) -> FastAPI
     app.include_router(kserve.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_REQUEST_BYTES)
     if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+        app.add_middleware(APIKeyMiddleware, keyring=KeyRing(api_keys, None))
     return app
 
 
