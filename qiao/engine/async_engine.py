@@ -499,6 +499,12 @@ class AsyncEngine(EngineClient):
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
+        live = self.engine.output_processor.states
+        if len(self._deadlines) > 2 * len(live) + 64:
+            # Requests that finished before their deadline leave entries behind; a far deadline
+            # (`timeout: 1e308`) would keep them forever.
+            self._deadlines = [entry for entry in self._deadlines if entry[1] in live]
+            heapq.heapify(self._deadlines)
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
             expired.append(heapq.heappop(self._deadlines)[1])

@@ -123,6 +123,12 @@ class EngineWorker:
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
+        live = self.engine.output_processor.states
+        if len(self.deadlines) > 2 * len(live) + 64:
+            # Requests that finished before their deadline leave entries behind; a far deadline
+            # (`timeout: 1e308`) would keep them forever.
+            self.deadlines = [entry for entry in self.deadlines if entry[1] in live]
+            heapq.heapify(self.deadlines)
         expired = []
         while self.deadlines and self.deadlines[0][0] <= now:
             expired.append(heapq.heappop(self.deadlines)[1])

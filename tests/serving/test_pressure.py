@@ -238,3 +238,14 @@ def test_an_oversized_header_is_a_431_in_the_error_envelope(small_pool: InProces
     assert "headers" in error["message"]
     with http_client(small_pool.base_url, timeout=30.0) as client:
         assert client.get("/v1/models").status_code == 200  # the server is unaffected
+
+
+def test_deadlines_of_finished_requests_do_not_pile_up(small_pool: InProcessServer) -> None:
+    """Requests with a far deadline that finish early used to leave their deadline entries
+    behind until it passed (`timeout: 1e9`: for ever)."""
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "timeout": 1e9}
+    with http_client(small_pool.base_url, timeout=30.0) as client:
+        for _ in range(150):
+            assert client.post("/v1/completions", json=body).status_code == 200
+    small_pool.wait_idle()
+    assert len(small_pool.engine._deadlines) <= 64 + 1
