@@ -146,11 +146,13 @@ class EngineClient(ABC):
     def stats(self) -> dict[str, Any]: ...
 
 
-def _engine_failed(exc: Exception) -> EngineUnavailableError:
+def engine_failed_message(exc: Exception) -> str:
     # The type only: the message may carry internals; the log has the traceback.
-    return EngineUnavailableError(
-        f"the engine failed while serving this request ({type(exc).__name__}); retry"
-    )
+    return f"the engine failed while serving this request ({type(exc).__name__}); retry"
+
+
+def _engine_failed(exc: Exception) -> EngineUnavailableError:
+    return EngineUnavailableError(engine_failed_message(exc))
 
 
 @dataclass
@@ -440,7 +442,7 @@ class AsyncEngine(EngineClient):
                 self._post(self._deliver, self._fail_all(exc))
             now = time.monotonic()
             if self.limits.log_interval and now - last_log >= self.limits.log_interval:
-                last_counts = self._log_throughput(now - last_log, last_counts)
+                last_counts = log_throughput(self._stats, now - last_log, last_counts)
                 last_log = now
             if not self.engine.has_unfinished_requests():
                 self._wait_for_work()
@@ -545,21 +547,23 @@ class AsyncEngine(EngineClient):
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
 
-    def _log_throughput(self, elapsed: float, last: tuple[int, int]) -> tuple[int, int]:
-        stats = self._stats
-        computed = stats["num_computed_tokens_total"]
-        generated = stats["num_generated_tokens_total"]
-        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
-        if idle and (computed, generated) == last:
-            return last  # nothing happened: an idle server stays quiet
-        logger.info(
-            "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
-            "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
-            (computed - last[0]) / elapsed,
-            (generated - last[1]) / elapsed,
-            stats["num_running"],
-            stats["num_waiting"],
-            100 * stats["kv_cache_usage"],
-            100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
-        )
-        return computed, generated
+
+def log_throughput(stats: dict[str, Any], elapsed: float, last: tuple[int, int]) -> tuple[int, int]:
+    """Log one throughput line from an engine's stats (computed and generated tokens since
+    `last`, over `elapsed` s); an idle engine stays quiet. Returns the new counts."""
+    computed = stats["num_computed_tokens_total"]
+    generated = stats["num_generated_tokens_total"]
+    idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+    if idle and (computed, generated) == last:
+        return last
+    logger.info(
+        "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
+        "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
+        (computed - last[0]) / elapsed,
+        (generated - last[1]) / elapsed,
+        stats["num_running"],
+        stats["num_waiting"],
+        100 * stats["kv_cache_usage"],
+        100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
+    )
+    return computed, generated

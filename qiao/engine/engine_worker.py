@@ -25,6 +25,7 @@ from typing import Any
 from qiao import envs
 from qiao.config import EngineConfig
 from qiao.engine import wire
+from qiao.engine.async_engine import engine_failed_message, log_throughput
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import QiaoError
 from qiao.outputs import RequestOutput
@@ -68,7 +69,7 @@ class EngineWorker:
                 self._send(outputs, failed)
             now = time.monotonic()
             if self.log_interval and now - last_log >= self.log_interval:
-                last_counts = self._log_throughput(now - last_log, last_counts)
+                last_counts = log_throughput(self.engine.stats(), now - last_log, last_counts)
                 last_log = now
 
     def _receive(self, block: bool) -> list[dict[str, Any]] | None:
@@ -110,7 +111,7 @@ class EngineWorker:
                         continue
                     except Exception as exc:  # a bug: this request fails, the loop goes on
                         logger.exception("adding request %s failed", rid)
-                        failed.append([rid, "EngineUnavailableError", _engine_failed(exc)])
+                        failed.append([rid, "EngineUnavailableError", engine_failed_message(exc)])
                         continue
                     if deadline is not None:
                         heapq.heappush(self.deadlines, (deadline, rid))
@@ -140,7 +141,7 @@ class EngineWorker:
             self.engine.abort_request(request_ids)
         except Exception:
             logger.exception("could not abort the failed requests")
-        message = _engine_failed(exc)
+        message = engine_failed_message(exc)
         return [[rid, "EngineUnavailableError", message] for rid in request_ids]
 
     def _send(self, outputs: list[RequestOutput], failed: list[list[Any]]) -> None:
@@ -154,25 +155,6 @@ class EngineWorker:
         }
         self.sock.sendall(wire.pack(frame))
 
-    def _log_throughput(self, elapsed: float, last: tuple[int, int]) -> tuple[int, int]:
-        stats = self.engine.stats()
-        computed = stats["num_computed_tokens_total"]
-        generated = stats["num_generated_tokens_total"]
-        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
-        if idle and (computed, generated) == last:
-            return last  # nothing happened: an idle engine stays quiet
-        logger.info(
-            "throughput: %.1f computed tok/s, %.1f generated tok/s | running %d, waiting %d | "
-            "KV cache %.1f%% | prefix-cache hit rate %.1f%%",
-            (computed - last[0]) / elapsed,
-            (generated - last[1]) / elapsed,
-            stats["num_running"],
-            stats["num_waiting"],
-            100 * stats["kv_cache_usage"],
-            100 * stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1),
-        )
-        return computed, generated
-
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -184,11 +166,6 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * _PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def _engine_failed(exc: Exception) -> str:
-    # The type only: the message may carry internals; the log has the traceback.
-    return f"the engine failed while serving this request ({type(exc).__name__}); retry"
 
 
 def main(argv: list[str]) -> int:
