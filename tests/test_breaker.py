@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from qiao.engine.breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -84,3 +85,57 @@ def test_zero_failures_turns_it_off_and_bad_settings_are_refused() -> None:
         BreakerConfig(failures=-1)
     with pytest.raises(ConfigError):
         BreakerConfig(cooldown=0)
+
+
+class _FlakyEncoder:
+    """An encoder that fails while `broken` is set."""
+
+    dim = 4
+    max_length = 16
+
+    def __init__(self) -> None:
+        self.broken = True
+
+    def embed(self, rows: list[list[int]]) -> np.ndarray:
+        if self.broken:
+            raise RuntimeError("injected encoder fault")
+        return np.ones((len(rows), self.dim), dtype=np.float32)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [[1, 2] for _ in texts]
+
+
+def test_an_encoder_version_breaker_opens_on_failing_batches_and_a_probe_closes_it() -> None:
+    import asyncio
+
+    from qiao.engine.batcher import BatcherConfig
+    from qiao.repository.served import EncoderVersion
+
+    encoder = _FlakyEncoder()
+    served = EncoderVersion(
+        "e",
+        "1",
+        encoder,  # type: ignore[arg-type]
+        BatcherConfig(),
+        backend="embedding",
+        breaker=BreakerConfig(failures=2, window=60, cooldown=0.2),
+    )
+
+    async def scenario() -> None:
+        served.start()
+        try:
+            for _ in range(2):
+                with pytest.raises(RuntimeError):
+                    await served.embed(["x"])
+            with pytest.raises(CircuitOpenError):
+                await served.embed(["x"])  # refused before the batcher
+            assert served.breaker.state == BreakerState.OPEN
+            encoder.broken = False
+            await asyncio.sleep(0.25)
+            assert served.breaker.state == BreakerState.HALF_OPEN
+            assert (await served.embed(["x"])).shape == (1, 4)  # the probe
+            assert served.breaker.state == BreakerState.CLOSED
+        finally:
+            await served.stop()
+
+    asyncio.run(scenario())

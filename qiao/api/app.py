@@ -26,7 +26,6 @@ from qiao.api.openai_routes import router as openai_router
 from qiao.api.openapi import install_openapi
 from qiao.api.settings import ServeSettings
 from qiao.engine.async_engine import EngineClient
-from qiao.engine.breaker import BreakerState
 from qiao.repository.manager import ModelManager, Served
 from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.version import __version__
@@ -40,10 +39,11 @@ def llm_versions(manager: ModelManager | None) -> list[LLMVersion]:
 
 
 def circuit_breakers(manager: ModelManager) -> dict[str, str]:
-    """ "model@version" -> its LLM engine's breaker state (closed, open, half-open)."""
+    """ "model@version" -> its circuit breaker's state (closed, open, half-open)."""
     return {
-        f"{s.model}@{s.version}": BreakerState(s.engine.stats().get("breaker_state", 0)).label
-        for s in llm_versions(manager)
+        f"{s.model}@{s.version}": s.breaker.state.label
+        for s in manager.served_versions()
+        if getattr(s, "breaker", None) is not None
     }
 
 

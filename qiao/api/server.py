@@ -180,7 +180,14 @@ def default_embedder(settings: ServeSettings) -> EncoderVersion | None:
     batching = BatcherConfig(
         max_batch_size=64, preferred_batch_sizes=(16, 32, 64), max_queue_delay_us=2000
     )
-    return EncoderVersion(DEFAULT_EMBEDDER_NAME, "1", encoder, batching, backend="embedding")
+    return EncoderVersion(
+        DEFAULT_EMBEDDER_NAME,
+        "1",
+        encoder,
+        batching,
+        backend="embedding",
+        breaker=admission_limits(settings).breaker,
+    )
 
 
 def build_app(settings: ServeSettings) -> Any:

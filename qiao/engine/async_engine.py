@@ -75,6 +75,8 @@ class EngineClient(ABC):
 
     # Set by the server on SIGTERM: new requests are refused, readiness fails.
     draining: bool = False
+    # Stops admission while the engine keeps failing (see breaker.py).
+    breaker: CircuitBreaker
 
     @abstractmethod
     def start(self) -> None:

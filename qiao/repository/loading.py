@@ -64,6 +64,7 @@ class VersionBuilder:
             encoder,
             BatcherConfig(**config.batcher_values()),
             backend=config.backend,
+            breaker=self.limits.breaker,
         )
 
     def _engine(self, entry: ModelEntry, vdir: VersionDir) -> EngineClient:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from qiao.engine.breaker import BreakerState
 from qiao.errors import ConfigError, EngineUnavailableError, ModelNotFoundError, QiaoError
 from qiao.repository.scan import (
     MAX_VERSION_LENGTH,
@@ -496,11 +495,9 @@ def _initial_weights(entry: ModelEntry) -> dict[str, float] | None:
 
 
 def _breaker(served: Served | None) -> str | None:
-    """The circuit breaker state of a served LLM version (None for others)."""
-    engine = getattr(served, "engine", None)
-    if engine is None:
-        return None
-    return BreakerState(engine.stats().get("breaker_state", 0)).label
+    """The circuit breaker state of a served version (None for one without)."""
+    breaker = getattr(served, "breaker", None)
+    return None if breaker is None else breaker.state.label
 
 
 def _check_weights(weights: dict[str, float]) -> dict[str, float]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from qiao.engine.async_engine import GenerateRequest
 from qiao.engine.batcher import BatchStats, DynamicBatcher
+from qiao.engine.breaker import BreakerConfig, CircuitBreaker
 from qiao.errors import ConfigError
 from qiao.repository.types import TensorSpec
 from qiao.sampling_params import SamplingParams
@@ -66,6 +67,10 @@ class LLMVersion:
         self.model = model
         self.version = version
         self.engine = engine
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.engine.breaker
 
     def start(self) -> None:
         self.engine.start()
@@ -141,8 +146,11 @@ class EncoderVersion:
         *,
         backend: str,
         on_batch: Callable[[BatchStats], None] | None = None,
+        breaker: BreakerConfig | None = None,
     ) -> None:
         self.model = model
+        # Opened by batches that fail in the encoder (not by refused or invalid requests).
+        self.breaker = CircuitBreaker(breaker or BreakerConfig(), "this model version")
         self.version = version
         self.backend = backend
         self.platform = "onnxruntime_onnx" if backend == "onnx" else "pytorch_libtorch"
@@ -159,7 +167,12 @@ class EncoderVersion:
     def _run_batch(self, items: list[list[list[int]]]) -> list[np.ndarray]:
         # E.g. items of 2, 1 and 3 rows -> one embed call of 6 rows, split back 2 / 1 / 3.
         flat = [ids for item in items for ids in item]
-        vectors = self.encoder.embed(flat)
+        try:
+            vectors = self.encoder.embed(flat)
+        except Exception:
+            self.breaker.record_failure()
+            raise
+        self.breaker.record_success()
         bounds = np.cumsum([len(item) for item in items])[:-1]
         return list(np.split(vectors, bounds))
 
@@ -188,6 +201,7 @@ class EncoderVersion:
         """Embeddings of `token_ids` ([N, dim] float32) through the batcher."""
         if not token_ids:
             raise ConfigError("input must hold at least one text")
+        self.breaker.allow()
         for ids in token_ids:
             if len(ids) > self.encoder.max_length:
                 raise ConfigError(
