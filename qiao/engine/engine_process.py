@@ -365,6 +365,9 @@ class ProcessEngine(EngineClient):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_RESTART_DELAY_S)
                     continue
+                if self._stopping:  # the server began to stop while this one started
+                    child.kill()
+                    break
                 logger.info(
                     "engine process %d is ready (restart %d)", child.proc.pid, self.restarts
                 )
