@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -110,7 +111,16 @@ def admission_limits(settings: ServeSettings) -> AdmissionLimits:
             window=settings.breaker_window,
             cooldown=settings.breaker_cooldown,
         ),
+        max_engine_memory=_bytes_or_share_of_ram(settings.max_engine_memory),
     )
+
+
+def _bytes_or_share_of_ram(value: float | None) -> int | None:
+    if value is None:
+        return None
+    if value <= 1.0:
+        return int(value * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(value)
 
 
 class DrainingServer(uvicorn.Server):

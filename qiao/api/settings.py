@@ -148,7 +148,7 @@ class ServeSettings(BaseSettings):
     keys_file: Path | None = Field(
         None,
         description="YAML file of named API keys with model lists, requests / tokens per minute, "
-        "concurrency and priority ceilings (reloaded on change; see qiao/api/keys.py)",
+        "concurrency and priority ceilings (reloaded on change; format in docs/operations.md)",
     )
     rate_limit_storage: str = Field(
         "memory://",
@@ -199,6 +199,12 @@ class ServeSettings(BaseSettings):
     breaker_window: float = Field(30.0, gt=0, description="circuit breaker failure window (s)")
     breaker_cooldown: float = Field(
         10.0, gt=0, description="seconds an open breaker refuses before one probe request"
+    )
+    max_engine_memory: float | None = Field(
+        None,
+        gt=0,
+        description="the most memory one LLM engine may hold, weights + KV cache: bytes, or a "
+        "share of RAM (<= 1); an engine over it does not start (default: no bound)",
     )
     in_process_engine: bool = Field(
         False,

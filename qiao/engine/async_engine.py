@@ -55,6 +55,24 @@ class AdmissionLimits:
     log_interval: float = 10.0
     # When repeated engine failures stop admission for a while (see `breaker`).
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # The most memory one engine may hold (weights + KV cache), bytes; None: no bound.
+    max_engine_memory: int | None = None
+
+
+def check_engine_memory(memory: dict[str, int], limit: int | None) -> None:
+    """Refuse an engine holding more than `limit` bytes, naming what to lower."""
+    total = sum(memory.values())
+    if limit is None or total <= limit:
+        return
+    gib = 2**30
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {size / gib:.2f} GiB" for name, size in memory.items()
+    )
+    raise ConfigError(
+        f"max_engine_memory: the engine needs {total / gib:.2f} GiB ({parts}) but at most "
+        f"{limit / gib:.2f} GiB is allowed: lower kv_cache_memory / num_kv_blocks, use a "
+        "narrower dtype or quantization, or raise max_engine_memory"
+    )
 
 
 @dataclass
@@ -279,7 +297,11 @@ class AsyncEngine(EngineClient):
 
         def main() -> None:
             try:
-                built.append(cls(factory(), limits))
+                engine = factory()
+                check_engine_memory(
+                    engine.memory_bytes(), (limits or AdmissionLimits()).max_engine_memory
+                )
+                built.append(cls(engine, limits))
             except BaseException as exc:  # handed to the caller, re-raised there
                 failed.append(exc)
             ready.set()

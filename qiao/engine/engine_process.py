@@ -37,6 +37,7 @@ from qiao.engine.async_engine import (
     EngineHealth,
     GenerateRequest,
     RequestStream,
+    check_engine_memory,
     check_group,
     completed_normally,
 )
@@ -160,7 +161,8 @@ class ProcessEngine(EngineClient):
         try:
             mc = config.model
             tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer or mc.path)
-            child.wait_ready()
+            ready = child.wait_ready()
+            check_engine_memory(ready["memory"], limits.max_engine_memory)
         except BaseException:
             child.kill()
             raise

@@ -205,6 +205,7 @@ def main(argv: list[str]) -> int:
                 "vocab_size": engine.arch.vocab_size,
                 "max_sequence_tokens": min(engine.max_model_len, engine.num_kv_blocks * block_size),
                 "stats": {**engine.stats(), "resident_bytes": resident_bytes()},
+                "memory": engine.memory_bytes(),
             }
         )
     )

@@ -261,6 +261,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.states)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """What this engine holds in device memory: weights (parameters and buffers, packed
+        copies included) and the KV pool."""
+        model = self.runner.model
+        tensors = [*model.parameters(), *model.buffers()]
+        weights = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        kv = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
+        return {"weights": weights, "kv_cache": kv}
+
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {

@@ -254,3 +254,22 @@ def test_a_request_that_breaks_the_engine_process_fails_alone(
     assert failed.json()["error"]["code"] == "request_failed"
     assert "error" not in good and "length" in good
     assert engine_pid(server) == pid  # contained: the engine process went on
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["thread", "process"])
+def test_an_engine_over_its_memory_bound_does_not_start(
+    stories_dir: Path, in_process: bool
+) -> None:
+    from qiao.api.server import build_engine
+    from qiao.errors import ConfigError
+
+    from .conftest import serve_settings
+
+    settings = serve_settings(stories_dir, in_process_engine=in_process, max_engine_memory=1e6)
+    with pytest.raises(ConfigError, match=r"max_engine_memory: the engine needs .* GiB \(weights"):
+        build_engine(settings)
+    # A bound that fits lets it start.
+    engine = build_engine(
+        serve_settings(stories_dir, in_process_engine=in_process, max_engine_memory=0.5)
+    )
+    engine.shutdown()
