@@ -145,6 +145,7 @@ def test_help_documents_every_flag() -> None:
         "serve",
         "quality",
         "embeddings",
+        "soak",
     }
     for name, parser in subparsers.choices.items():
         for action in parser._actions:
