@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from qiao.api.keys import KeyRing
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -39,7 +41,6 @@ from qiao.api.kserve_tensors import (
     select_outputs,
     to_raw,
 )
-from qiao.api.middleware import bearer_matches
 from qiao.api.proto import inference_pb2 as pb
 from qiao.api.proto import inference_pb2_grpc as pb_grpc
 from qiao.errors import (
@@ -81,6 +82,7 @@ def build_grpc_server(
     host: str,
     port: int,
     api_keys: Sequence[str] = (),
+    keys_file: Path | None = None,
     max_message_bytes: int,
 ) -> tuple[grpc.aio.Server, int]:
     """The server (not started) and the port it is bound to (`port=0`: any free port).
@@ -88,7 +90,10 @@ def build_grpc_server(
     Call it on the event loop that will run the server; start with `await server.start()`, stop
     with `await server.stop(grace)`. Raises `ConfigError` when the address cannot be bound (no
     SO_REUSEPORT, so a port in use is an error rather than silently shared)."""
-    interceptors = [_BearerAuth(api_keys)] if api_keys else []
+    keyring = KeyRing(list(api_keys), keys_file)
+    # The keys file's keys authenticate here too; their model lists and rate limits apply to
+    # the HTTP routes only.
+    interceptors = [_BearerAuth(keyring)] if keyring.enabled else []
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -121,8 +126,8 @@ async def _deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
 class _BearerAuth(grpc.aio.ServerInterceptor):
     """Every RPC but the health probes needs `authorization: Bearer <key>` metadata."""
 
-    def __init__(self, api_keys: Sequence[str]) -> None:
-        self._keys = [key.encode() for key in api_keys]
+    def __init__(self, keyring: KeyRing) -> None:
+        self._keyring = keyring
         self._deny = grpc.unary_unary_rpc_method_handler(_deny)
 
     async def intercept_service(
@@ -138,7 +143,10 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         values = [value for key, value in metadata or () if key == "authorization"]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
-        return bearer_matches(values[0].encode(), self._keys)
+        scheme, _, token = values[0].encode().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return self._keyring.match(token.strip()) is not None
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -279,6 +279,7 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
             host=settings.host,
             port=settings.grpc_port,
             api_keys=settings.api_keys(),
+            keys_file=settings.keys_file,
             max_message_bytes=settings.max_request_bytes,
         )
         await grpc_server.start()

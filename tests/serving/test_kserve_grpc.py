@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -408,5 +409,28 @@ def test_api_key_is_required_except_for_health(keyed_port: int) -> None:
         result = triton.infer("scale", [infer_input("x", x, "INT64")], headers=headers)
         np.testing.assert_array_equal(result.as_numpy("y"), x * 3)
         assert triton.is_model_ready("scale", headers=headers)
+    finally:
+        triton.close()
+
+
+def test_a_keys_file_key_authenticates_over_grpc(
+    grpc_loop: GrpcLoop, router: FakeRouter, tmp_path: Path
+) -> None:
+    import hashlib
+
+    named = "sk-grpc-named-0123456789ab"
+    keys_file = tmp_path / "keys.yaml"
+    digest = hashlib.sha256(named.encode()).hexdigest()
+    keys_file.write_text(f"keys:\n  - name: grpc-team\n    key_sha256: {digest}\n")
+    port = grpc_loop.start(router, keys_file=keys_file)
+    triton = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+    x = np.array([2], dtype=np.int64)
+    try:
+        headers = {"authorization": f"Bearer {named}"}
+        result = triton.infer("scale", [infer_input("x", x, "INT64")], headers=headers)
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 3)
+        wrong = {"authorization": "Bearer sk-grpc-other-0123456789ab"}
+        error = grpc_error(triton.infer, "scale", [infer_input("x", x, "INT64")], headers=wrong)
+        assert error.status() == "StatusCode.UNAUTHENTICATED"
     finally:
         triton.close()
