@@ -525,3 +525,24 @@ def test_batcher_values_build_the_batcher_config(tmp_path: Path) -> None:
     assert batcher.max_queue_delay_us == 10000 and batcher.max_queue_size == 128
     assert batcher.default_priority_level == 2 and batcher.allow_timeout_override is True
     assert BatcherConfig(**parse_model_config(ENC, "x").batcher_values()) == BatcherConfig()
+
+
+def test_circuit_breaker_keys_override_the_server_flags_one_by_one() -> None:
+    from qiao.engine.async_engine import AdmissionLimits
+    from qiao.engine.breaker import BreakerConfig
+    from qiao.repository.loading import VersionBuilder
+    from qiao.repository.scan import ModelEntry
+
+    server = AdmissionLimits(breaker=BreakerConfig(failures=5, window=30, cooldown=10))
+    builder = VersionBuilder(server)
+    own = parse_model_config(
+        {"backend": "embedding", "circuit_breaker": {"failures": 2, "cooldown": 1.5}}, "m"
+    )
+    entry = ModelEntry("m", Path("."), own)
+    assert builder.breaker_config(entry) == BreakerConfig(failures=2, window=30, cooldown=1.5)
+    plain = ModelEntry("m", Path("."), parse_model_config({"backend": "embedding"}, "m"))
+    assert builder.breaker_config(plain) == server.breaker
+    with pytest.raises(ConfigError, match=r"circuit_breaker\.window"):
+        parse_model_config({"backend": "llm", "circuit_breaker": {"window": 0}}, "m")
+    with pytest.raises(ConfigError, match=r"circuit_breaker\.probes"):
+        parse_model_config({"backend": "llm", "circuit_breaker": {"probes": 1}}, "m")

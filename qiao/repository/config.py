@@ -29,6 +29,10 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
                     | {specific: {versions: [1, 3]}}
     traffic: {"1": 90, "2": 10}                          (initial canary split; default: all to
                                                           the newest ready version)
+    circuit_breaker:                                     (any model; each key defaults to the
+      failures: 5                                         server's --breaker-* flag; >= 0,
+      window: 30                                          0 = never opens; window and cooldown
+      cooldown: 10                                        in seconds, > 0)
     llm:                                                 (llm only; the `qiao serve` engine flags)
       max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
       enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, kv_cache_dtype,
@@ -255,6 +259,14 @@ class LLMSettings(_Section):
     cuda_graphs: bool | None = None  # None: on for CUDA, off elsewhere
 
 
+class CircuitBreakerSettings(_Section):
+    """The model's circuit breaker; a key left out takes the server's `--breaker-*` value."""
+
+    failures: int | None = Field(None, ge=0)
+    window: float | None = Field(None, gt=0, allow_inf_nan=False)
+    cooldown: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class ModelConfigFile(_Section):
     """One model's config, validated; see the module docstring for the keys."""
 
@@ -268,6 +280,7 @@ class ModelConfigFile(_Section):
         default_factory=lambda: VersionPolicy(latest=LatestPolicy())
     )
     traffic: dict[str, float] | None = None
+    circuit_breaker: CircuitBreakerSettings | None = None
     llm: LLMSettings | None = None
 
     @field_validator("precision_mode", mode="before")

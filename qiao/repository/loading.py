@@ -6,11 +6,13 @@ is fully loaded (weights read, KV cache or batcher set up) but not yet started.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
+from qiao.engine.breaker import BreakerConfig
 from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import ConfigError
@@ -35,6 +37,15 @@ class VersionBuilder:
         self.seed = seed
         self.in_process_engine = in_process_engine
         self.log_level = log_level
+
+    def breaker_config(self, entry: ModelEntry) -> BreakerConfig:
+        """The server's breaker settings with the model's `circuit_breaker` keys over them."""
+        base = self.limits.breaker
+        own = entry.config.circuit_breaker if entry.config is not None else None
+        if own is None:
+            return base
+        given = {k: v for k, v in own.model_dump().items() if v is not None}
+        return dataclasses.replace(base, **given)
 
     def __call__(self, entry: ModelEntry, vdir: VersionDir) -> Served:
         config = entry.config
@@ -64,7 +75,7 @@ class VersionBuilder:
             encoder,
             BatcherConfig(**config.batcher_values()),
             backend=config.backend,
-            breaker=self.limits.breaker,
+            breaker=self.breaker_config(entry),
         )
 
     def _engine(self, entry: ModelEntry, vdir: VersionDir) -> EngineClient:
@@ -74,6 +85,7 @@ class VersionBuilder:
         if config.llm is None or "seed" not in config.llm.model_fields_set:
             kwargs["seed"] = self.seed
         engine_config = EngineConfig.create(str(vdir.path), **kwargs)
+        limits = dataclasses.replace(self.limits, breaker=self.breaker_config(entry))
         if self.in_process_engine:
-            return AsyncEngine.build(lambda: LLMEngine(engine_config), self.limits)
-        return ProcessEngine.build(engine_config, self.limits, log_level=self.log_level)
+            return AsyncEngine.build(lambda: LLMEngine(engine_config), limits)
+        return ProcessEngine.build(engine_config, limits, log_level=self.log_level)
