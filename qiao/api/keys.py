@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import os
 import threading
@@ -37,6 +38,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qiao.errors import ConfigError
+
+logger = logging.getLogger("qiao.keys")
 
 RELOAD_CHECK_S = 1.0  # how often the keys file's modification time is looked at
 

@@ -41,6 +41,7 @@ from qiao.api.kserve_tensors import (
     select_outputs,
     to_raw,
 )
+from qiao.api.middleware import bearer_token
 from qiao.api.proto import inference_pb2 as pb
 from qiao.api.proto import inference_pb2_grpc as pb_grpc
 from qiao.errors import (
@@ -143,10 +144,7 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         values = [value for key, value in metadata or () if key == "authorization"]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
-        scheme, _, token = values[0].encode().partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        return self._keyring.match(token.strip()) is not None
+        return self._keyring.match(bearer_token(values[0].encode())) is not None
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        key = self.keyring.match(_bearer_token(dict(scope["headers"]).get(b"authorization", b"")))
+        key = self.keyring.match(bearer_token(dict(scope["headers"]).get(b"authorization", b"")))
         if key is None:
             await send_error(
                 send,
@@ -116,7 +116,8 @@ _LIMIT_NAMES = {
 }
 
 
-def _bearer_token(header: bytes) -> bytes:
+def bearer_token(header: bytes) -> bytes:
+    """The token of an `Authorization: Bearer <token>` value (empty for any other scheme)."""
     scheme, _, token = header.partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else b""
 
@@ -133,10 +134,7 @@ def decimal(value: bytes | str | None, max_digits: int = 18) -> int | None:
 def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
     """Whether an `Authorization` value is `Bearer <one of keys>`. Every key is compared, in
     constant time each, so timing reveals nothing (HTTP, management and gRPC all use this)."""
-    scheme, _, token = header.partition(b" ")
-    if scheme.lower() != b"bearer":
-        return False
-    token = token.strip()
+    token = bearer_token(header)
     # An empty token never authenticates, even beside an empty key that slipped through.
     matches = [hmac.compare_digest(token, key) for key in keys]
     return bool(token) and any(matches)

@@ -208,6 +208,21 @@ def check_group(requests: Sequence[GenerateRequest], limits: AdmissionLimits) ->
     return num_seqs, num_tokens
 
 
+def check_room(limits: AdmissionLimits, queued: tuple[int, int], group: tuple[int, int]) -> None:
+    """Raise QueueFullError (-> 503, retry) when a group of (sequences, prompt tokens) does not
+    fit beside what already waits to start."""
+    if queued[0] + group[0] > limits.max_waiting_seqs:
+        raise QueueFullError(
+            f"waiting queue is full ({queued[0]} of {limits.max_waiting_seqs} sequences); "
+            "retry later"
+        )
+    if queued[1] + group[1] > limits.max_waiting_tokens:
+        raise QueueFullError(
+            f"waiting queue is full ({queued[1]} of {limits.max_waiting_tokens} prompt tokens); "
+            "retry later"
+        )
+
+
 def completed_normally(output: RequestOutput) -> bool:
     """A finished output whose samples all ended by a stop condition or their length."""
     return output.finished and all(c.finish_reason in ("stop", "length") for c in output.outputs)
@@ -370,8 +385,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def max_sequence_tokens(self) -> int:
-        engine = self.engine
-        return min(engine.max_model_len, engine.num_kv_blocks * engine.block_manager.block_size)
+        return self.engine.max_sequence_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -418,16 +432,7 @@ class AsyncEngine(EngineClient):
             in_flight = next((rid for rid in ids if rid in self._queues), None)
             if in_flight is not None:
                 raise QiaoError(f"request id {in_flight!r} is already in flight")
-            if self._queued_seqs + num_seqs > limits.max_waiting_seqs:
-                raise QueueFullError(
-                    f"waiting queue is full ({self._queued_seqs} of {limits.max_waiting_seqs} "
-                    "sequences); retry later"
-                )
-            if self._queued_tokens + num_tokens > limits.max_waiting_tokens:
-                raise QueueFullError(
-                    f"waiting queue is full ({self._queued_tokens} of "
-                    f"{limits.max_waiting_tokens} prompt tokens); retry later"
-                )
+            check_room(limits, (self._queued_seqs, self._queued_tokens), (num_seqs, num_tokens))
             if not self._queues and not self._commands:
                 self._progress_time = time.monotonic()  # idle until now is not a stall
             self._queued_seqs += num_seqs

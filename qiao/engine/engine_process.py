@@ -39,6 +39,7 @@ from qiao.engine.async_engine import (
     RequestStream,
     check_engine_memory,
     check_group,
+    check_room,
     completed_normally,
 )
 from qiao.engine.breaker import CircuitBreaker
@@ -47,7 +48,6 @@ from qiao.errors import (
     EngineUnavailableError,
     ModelLoadError,
     QiaoError,
-    QueueFullError,
 )
 from qiao.outputs import RequestOutput
 from qiao.tokenizer import load_tokenizer
@@ -215,18 +215,7 @@ class ProcessEngine(EngineClient):
         if not self._up:
             raise EngineRestartedError(f"the engine is restarting ({self._down_reason}); retry")
         num_seqs, num_tokens = check_group(requests, self.limits)
-        queued_seqs, queued_tokens = self._queued()
-        limits = self.limits
-        if queued_seqs + num_seqs > limits.max_waiting_seqs:
-            raise QueueFullError(
-                f"waiting queue is full ({queued_seqs} of {limits.max_waiting_seqs} sequences); "
-                "retry later"
-            )
-        if queued_tokens + num_tokens > limits.max_waiting_tokens:
-            raise QueueFullError(
-                f"waiting queue is full ({queued_tokens} of {limits.max_waiting_tokens} prompt "
-                "tokens); retry later"
-            )
+        check_room(self.limits, self._queued(), (num_seqs, num_tokens))
         in_flight = next((r.request_id for r in requests if r.request_id in self._queues), None)
         if in_flight is not None:
             raise QiaoError(f"request id {in_flight!r} is already in flight")
@@ -297,11 +286,6 @@ class ProcessEngine(EngineClient):
             "breaker_state": int(self.breaker.state),
             "breaker_opened": self.breaker.num_opened,
         }
-
-    @property
-    def pid(self) -> int | None:
-        """The engine process's pid (None while there is none)."""
-        return None if self._child is None else self._child.proc.pid
 
     # --- frames --------------------------------------------------------------------------------
 

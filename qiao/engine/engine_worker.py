@@ -157,15 +157,20 @@ class EngineWorker:
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_rss: list[float] = [0.0, 0.0]  # (read at, bytes): read at most once a second, not per step
 
 
 def resident_bytes() -> int:
-    """This process's resident memory (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident memory (Linux; 0 elsewhere), at most a second old."""
+    now = time.monotonic()
+    if now - _rss[0] >= 1.0:
+        try:
+            with open("/proc/self/statm") as f:
+                _rss[1] = int(f.read().split()[1]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            _rss[1] = 0
+        _rss[0] = now
+    return int(_rss[1])
 
 
 def main(argv: list[str]) -> int:
@@ -195,7 +200,6 @@ def main(argv: list[str]) -> int:
         message = str(exc) if isinstance(exc, QiaoError) else f"{type(exc).__name__}: {exc}"
         sock.sendall(wire.pack({"t": "failed", "error": message}))
         return 1
-    block_size = engine.block_manager.block_size
     sock.sendall(
         wire.pack(
             {
@@ -203,7 +207,7 @@ def main(argv: list[str]) -> int:
                 "pid": os.getpid(),
                 "max_model_len": engine.max_model_len,
                 "vocab_size": engine.arch.vocab_size,
-                "max_sequence_tokens": min(engine.max_model_len, engine.num_kv_blocks * block_size),
+                "max_sequence_tokens": engine.max_sequence_tokens,
                 "stats": {**engine.stats(), "resident_bytes": resident_bytes()},
                 "memory": engine.memory_bytes(),
             }

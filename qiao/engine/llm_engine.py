@@ -261,6 +261,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.states)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + output) one sequence can hold: the context, or the KV pool
+        when it is smaller."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_manager.block_size)
+
     def memory_bytes(self) -> dict[str, int]:
         """What this engine holds in device memory: weights (parameters and buffers, packed
         copies included) and the KV pool."""
