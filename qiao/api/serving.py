@@ -221,11 +221,8 @@ async def stream_events(
         except DeadlineExceeded:
             reason = "timeout"
             await close_all(job, reason)
-            for index in range(len(job.streams) * job.n):
-                if index not in finished:
-                    end = CompletionOutput(index, "", [], finish_reason="timeout")
-                    for chunk in make_chunks(index, end, None):
-                        yield sse(chunk)
+            for event in _end_open_choices(job, finished, "timeout", make_chunks):
+                yield event
         if usage_chunk is not None:
             prompt = sum(job.num_prompt_tokens)
             yield sse(
@@ -240,17 +237,29 @@ async def stream_events(
         yield sse("[DONE]")
     except Exception as exc:
         # Every choice still open ends with finish_reason "error", then the error event.
-        for index in range(len(job.streams) * job.n):
-            if index not in finished:
-                end = CompletionOutput(index, "", [], finish_reason="error")
-                for chunk in make_chunks(index, end, None):
-                    yield sse(chunk)
+        for event in _end_open_choices(job, finished, "error", make_chunks):
+            yield event
         error = as_api_error(exc)
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:
         await close_all(job, reason)
         if job.charge is not None:
             job.charge(sum(job.num_prompt_tokens) + completion_tokens)
+
+
+def _end_open_choices(
+    job: Job,
+    finished: set[int],
+    reason: str,
+    make_chunks: Callable[[int, CompletionOutput, list[dict[int, Logprob]] | None], list[dict]],
+) -> list[str]:
+    """SSE events closing every choice not finished yet with `finish_reason: reason`."""
+    events = []
+    for index in range(len(job.streams) * job.n):
+        if index not in finished:
+            end = CompletionOutput(index, "", [], finish_reason=reason)
+            events += [sse(chunk) for chunk in make_chunks(index, end, None)]
+    return events
 
 
 def now() -> int:
