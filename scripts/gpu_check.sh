@@ -2,7 +2,8 @@
 # The GPU check, for when a machine with an NVIDIA GPU is available (about 5 minutes on an H200,
 # under 8 in the worst case: every step is time-limited, so one hang does not eat the budget):
 #   1. picks a Python whose torch sees CUDA (.venv, then python3; else `./dev setup`, which
-#      needs PyPI),
+#      needs PyPI), and installs any wheels carried in .whl/ (a machine with no registry: pydantic
+#      for python3.12 there, fetched with scripts/gpu_wheels.sh),
 #   2. prints nvidia-smi and torch's CUDA facts,
 #   3. runs the `gpu`-marked tests,
 #   4. runs `qiao bench throughput` and `qiao bench latency` on CUDA with and without CUDA graphs
@@ -65,8 +66,18 @@ if [ -z "$PY" ]; then
     exit 1
   fi
 fi
+# A machine with no package registry: wheels carried in .whl (pydantic and its needs, which
+# the image lacks) go to a private folder on the path.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  say "installing the carried wheels: $(cd .whl && echo *.whl)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/qiao-site .whl/*.whl 2>&1 | tee -a "$LOG"
+  export PYTHONPATH="/tmp/qiao-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # A system Python has no qiao installed: import it from this checkout.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The C++ kernels serve the CPU path only; their build is no part of this check.
+export QIAO_DISABLE_CPU_KERNELS=1
 say "python: $(command -v "$PY")"
 
 device_facts() {

@@ -348,7 +348,9 @@ def test_decode_steps_sync_the_host_once(tiny_checkpoint) -> None:
                 engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        # Only the per-operation warnings count: torch also warns once that the debug mode itself
+        # is a prototype, and that text says "synchronizing" too (seen on an H200).
+        syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
         assert len(syncs) <= 1, (cuda_graphs_on, [str(w.message) for w in syncs])
 
 
