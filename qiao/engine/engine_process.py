@@ -1,7 +1,8 @@
 """An engine in its own process, supervised: the `EngineClient` `qiao serve` uses for an LLM.
 
-The API process keeps HTTP, validation, tokenization, admission and the per-request queues; the
-engine process (`engine_worker`) schedules and runs the model. They talk in msgpack frames over a
+The API process keeps HTTP, validation, tokenization, detokenization (text, stop strings and
+logprob token texts, `DeltaDetokenizer`), admission and the per-request queues; the engine
+process (`engine_worker`) schedules and runs the model and sends token ids. They talk in msgpack frames over a
 socket pair (`wire`): one `add` frame per API request (its prompts admitted together), one `step`
 frame back per engine step with every output of that step.
 
@@ -43,6 +44,7 @@ from qiao.engine.async_engine import (
     completed_normally,
 )
 from qiao.engine.breaker import CircuitBreaker
+from qiao.engine.output_processor import DeltaDetokenizer
 from qiao.errors import (
     EngineRestartedError,
     EngineUnavailableError,
@@ -124,6 +126,7 @@ class ProcessEngine(EngineClient):
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._prompts: dict[str, list[int]] = {}
+        self._detokenizers: dict[str, DeltaDetokenizer] = {}
         self._pending: deque[tuple[int, int, int]] = deque()  # (seq, sequences, tokens)
         self._seq = 0
         self._writer: asyncio.StreamWriter | None = None
@@ -156,6 +159,7 @@ class ProcessEngine(EngineClient):
             "num_threads": num_threads,
             "log_level": log_level,
             "log_interval": limits.log_interval,
+            "detokenize": False,  # the API process does: DeltaDetokenizer
         }
         child = _Child(settings)
         try:
@@ -228,6 +232,10 @@ class ProcessEngine(EngineClient):
             queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
             self._queues[r.request_id] = queue
             self._prompts[r.request_id] = r.prompt_token_ids
+            if self._tokenizer is not None:
+                self._detokenizers[r.request_id] = DeltaDetokenizer(
+                    self._tokenizer, r.prompt_token_ids, r.params
+                )
             streams.append(RequestStream(self, r.request_id, queue))  # type: ignore[arg-type]
         self._write(
             {
@@ -314,25 +322,34 @@ class ProcessEngine(EngineClient):
         if step_failed:
             self.breaker.record_failure()  # one failed step, however many requests it held
         outputs = []
+        stopped: list[list[Any]] = []
         for values in frame["outputs"]:
             rid = values[0]
             prompt = self._prompts.get(rid)
             if prompt is None:
-                continue  # answered already (the engine restarted meanwhile)
+                continue  # answered already (a stop string, or the engine restarted meanwhile)
             output = wire.output_from_wire(values, None, prompt)
+            detokenizer = self._detokenizers.get(rid)
+            if detokenizer is not None:
+                output, newly_stopped = detokenizer.process(output)
+                stopped += [[rid, index] for index in newly_stopped]
             outputs.append(output)
             queue = self._queues.get(rid)
             if queue is not None:
                 queue.put_nowait(output)
             if output.finished:
                 self._prompts.pop(rid, None)
+                self._detokenizers.pop(rid, None)
                 if completed_normally(output):
                     self.breaker.record_success()
+        if stopped:
+            self._write({"t": "stop_samples", "samples": stopped})
         for listener in self._listeners:
             listener(outputs)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         self._prompts.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(error)
@@ -418,6 +435,7 @@ class ProcessEngine(EngineClient):
         for request_id in held:
             self._fail(request_id, error)
         self._prompts.clear()
+        self._detokenizers.clear()
         self._pending.clear()
         self._child = None
         self._stats = {**self._stats, "num_running": 0, "num_waiting": 0, "num_waiting_tokens": 0}

@@ -2,7 +2,8 @@
 
 Started by `ProcessEngine` as `python -m qiao.engine.engine_worker FD` with one end of a socket
 pair. It reads its settings from the first frame, builds the engine (weights, kernels, KV pool),
-answers `ready` (or `failed`), then loops: take every command that arrived (add, abort, stop),
+answers `ready` (or `failed`), then loops: take every command that arrived (add, abort,
+stop_samples, stop),
 end requests whose deadline passed, run a step, and send one `step` frame with that turn's
 outputs. Nothing here is shared with the API process but the socket, so a crash, a kernel
 segfault or an out-of-memory kill here ends this process alone; the API process answers the
@@ -118,6 +119,9 @@ class EngineWorker:
                 self.applied = command["seq"]
             elif kind == "abort":
                 outputs += self.engine.abort_request(command["ids"], reason=command["reason"])
+            elif kind == "stop_samples":
+                samples = [(rid, index) for rid, index in command["samples"]]
+                outputs += self.engine.stop_samples(samples)
             elif kind == "stop":
                 self.stopping = True
         return outputs, failed
@@ -190,7 +194,8 @@ def main(argv: list[str]) -> int:
             import torch
 
             torch.set_num_threads(settings["num_threads"])
-        engine = LLMEngine(EngineConfig.from_dict(settings["config"]))
+        config = EngineConfig.from_dict(settings["config"])
+        engine = LLMEngine(config, detokenize=settings.get("detokenize", True))
         hook = envs.engine_hook()
         if hook is not None:
             module_name, _, function = hook.partition(":")

@@ -39,10 +39,16 @@ PromptType = str | list[int]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        """`detokenize=False`: outputs carry token ids only (no text, no stop strings, no logprob
+        token texts): an engine process whose API process detokenizes. It then loads no
+        tokenizer unless the checkpoint names its EOS tokens nowhere else."""
         self.config = config
         mc = config.model
         self.arch = load_arch_config(mc.path)
+        load_tokenizer_here = not mc.skip_tokenizer_init and (
+            detokenize or not load_eos_token_ids(mc.path, self.arch.eos_token_ids, None)
+        )
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
@@ -56,7 +62,7 @@ class LLMEngine:
         # named 'regex'" (installed); the two no longer import at the same time.
         with ThreadPoolExecutor(1, thread_name_prefix="qiao-loader") as pool:
             tokenizer = None
-            if not mc.skip_tokenizer_init:
+            if load_tokenizer_here:
                 tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.path)
             kernels = pool.submit(cpu_ops) if device.type == "cpu" else None
             self.runner = self._build_runner(config, device)
@@ -78,7 +84,7 @@ class LLMEngine:
             cache_reserve=round(cache.prefix_cache_reserve * self.num_kv_blocks),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
         self._rng = random.Random(mc.seed)
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # prompt and recomputed tokens plus decode inputs
@@ -256,6 +262,19 @@ class LLMEngine:
         ]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         touched = {self.output_processor.finish(cid, reason) for cid in child_ids}
+        return self._collect([t for t in touched if t is not None])
+
+    def stop_samples(self, samples: list[tuple[str, int]]) -> list[RequestOutput]:
+        """End samples (request id, sample index) that a stop string ended where the text is
+        made (the API process of an engine that does not detokenize)."""
+        states = self.output_processor.states
+        child_ids = [
+            states[rid].child_ids[index]
+            for rid, index in samples
+            if rid in states and index < len(states[rid].child_ids)
+        ]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_STOPPED)
+        touched = {self.output_processor.finish(cid, "stop") for cid in child_ids}
         return self._collect([t for t in touched if t is not None])
 
     def has_unfinished_requests(self) -> bool:

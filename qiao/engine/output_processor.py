@@ -18,6 +18,15 @@ from qiao.sampling_params import SamplingParams
 from qiao.step import ModelRunnerOutput
 
 
+def set_token_texts(tokenizer: Any, prev: int, entry: dict[int, Logprob]) -> None:
+    """Give each logprob entry's token its text as it reads after `prev`: decoded in context,
+    so SentencePiece tokens keep their leading space. E.g. after "," "▁there" reads " there"."""
+    decode = tokenizer.decode
+    base = decode([prev])
+    for token_id, logprob in entry.items():
+        logprob.decoded_token = decode([prev, token_id])[len(base) :]
+
+
 @dataclass
 class RequestState:
     """One user request: its prompt and the state of each of its n samples."""
@@ -195,20 +204,106 @@ class OutputProcessor:
         }
         entry[ids[0]] = Logprob(values[0], rank=out.sampled_ranks[row])
         if self.tokenizer is not None:
-            texts = self._token_texts(prev, list(entry))
-            for logprob, text in zip(entry.values(), texts, strict=True):
-                logprob.decoded_token = text
+            set_token_texts(self.tokenizer, prev, entry)
         completion.logprobs.append(entry)
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + values[0]
-
-    def _token_texts(self, prev: int, token_ids: list[int]) -> list[str]:
-        """Each token's text as it reads after `prev`: decoded in context, so SentencePiece
-        tokens keep their leading space. E.g. after "," the token "▁there" reads " there"."""
-        decode = self.tokenizer.decode
-        base = decode([prev])
-        return [decode([prev, tid])[len(base) :] for tid in token_ids]
 
     def _forget(self, state: RequestState) -> None:
         del self.states[state.request_id]
         for child_id in state.child_ids:
             self.children.pop(child_id, None)
+
+
+class DeltaDetokenizer:
+    """The text half of output processing, for an engine that sends token ids only (an engine
+    process; the API process detokenizes): one per request, fed that engine's delta outputs.
+
+    It fills in each sample's text, the logprobs' token texts and stop strings. A stop string
+    matches here one step after the engine sampled its last token, so tokens the engine made
+    past it are dropped, and the caller tells the engine to stop the samples `process` names.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.samples = [
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params) for _ in range(params.n)
+        ]
+        self.last_token = [prompt_token_ids[-1]] * params.n
+        self.stopped: list[str | None] = [None] * params.n  # the stop string that ended each
+        self.cumulative: list[float | None] = [None] * params.n  # each one's, as it ended
+        self.num_tokens = 0  # generated tokens kept, all samples
+
+    def process(self, output: RequestOutput) -> tuple[RequestOutput, list[int]]:
+        """`output` (a delta) with its texts; and the samples a stop string ended just now."""
+        newly_stopped = []
+        completions = []
+        for c in output.outputs:
+            index = c.index
+            stop = self.stopped[index]
+            if stop is not None:  # ended here earlier: the engine's later tokens are dropped
+                completions.append(
+                    dataclasses.replace(
+                        c,
+                        text="",
+                        token_ids=[],
+                        cumulative_logprob=self.cumulative[index],
+                        logprobs=[] if c.logprobs is not None else None,
+                        finish_reason="stop",
+                        stop_reason=stop,
+                    )
+                )
+                continue
+            completion = self._fold(c)
+            if self.stopped[index] is not None:
+                newly_stopped.append(index)
+            completions.append(completion)
+        finished = all(c.finish_reason is not None for c in completions)
+        metrics = output.metrics
+        if metrics is not None:
+            metrics = dataclasses.replace(metrics, num_generation_tokens=self.num_tokens)
+            if finished and metrics.finished_time is None:
+                metrics.finished_time = time.monotonic()
+        result = dataclasses.replace(
+            output, outputs=completions, finished=finished, metrics=metrics
+        )
+        return result, newly_stopped
+
+    def _fold(self, c: CompletionOutput) -> CompletionOutput:
+        index = c.index
+        detok = self.samples[index]
+        kept = 0
+        stop: str | None = None
+        for token_id in c.token_ids:
+            kept += 1
+            stop = detok.update([token_id])
+            if stop is not None:
+                break
+        token_ids = c.token_ids[:kept]
+        logprobs = c.logprobs
+        cumulative = c.cumulative_logprob
+        if logprobs is not None:
+            dropped = zip(c.token_ids[kept:], logprobs[kept:], strict=False)
+            if cumulative is not None:
+                cumulative -= sum(entry[tid].logprob for tid, entry in dropped if tid in entry)
+            logprobs = logprobs[:kept]
+            prev = self.last_token[index]
+            for token_id, entry in zip(token_ids, logprobs, strict=False):
+                set_token_texts(self.tokenizer, prev, entry)
+                prev = token_id
+        if token_ids:
+            self.last_token[index] = token_ids[-1]
+        self.num_tokens += kept
+        finish_reason, stop_reason = c.finish_reason, c.stop_reason
+        if stop is not None:
+            self.stopped[index] = stop
+            self.cumulative[index] = cumulative
+            finish_reason, stop_reason = "stop", stop
+        return CompletionOutput(
+            index=index,
+            text=detok.get_delta_text(finish_reason is not None),
+            token_ids=token_ids,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )

@@ -1,10 +1,12 @@
 """Frames between the API process and an engine process: msgpack, never pickle.
 
 A frame is a 4-byte big-endian length and one msgpack map with a type `t`. The API process sends
-`add` (one request group, admitted together), `abort` and `stop`; the engine answers `ready`
+`add` (one request group, admitted together), `abort`, `stop_samples` (samples a stop string
+ended: the API process detokenizes) and `stop`; the engine answers `ready`
 once (or `failed`), then one `step` frame per turn of its loop: that turn's outputs, the requests
-it refused, the commands it has applied so far and a stats snapshot. Outputs leave out what the
-API process already has (the prompt); everything else is plain data.
+it refused, the commands it has applied so far and a stats snapshot. Outputs are token ids
+(no text) and leave out what the API process already has (the prompt); everything else is plain
+data.
 """
 
 from __future__ import annotations

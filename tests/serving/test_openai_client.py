@@ -12,7 +12,16 @@ import pytest
 
 from qiao import LLM, SamplingParams
 
-from .conftest import GREEDY_32, MODEL_NAME, PROMPT, SubprocessServer, openai_client
+from .conftest import (
+    GREEDY_32,
+    MODEL_NAME,
+    PROMPT,
+    SubprocessServer,
+    http_client,
+    openai_client,
+    parse_metrics,
+    wait_until,
+)
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -213,6 +222,71 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
     )
     assert "".join(c.choices[0].text for c in streamed) == choice.text
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_stop_string_stops_the_engine_too(
+    client: openai.OpenAI, qiao_server: SubprocessServer
+) -> None:
+    """The API process finds the stop string and tells the engine process to end the sample: it
+    does not go on to max_tokens unseen."""
+    with http_client(qiao_server.base_url) as http:
+
+        def engine_stat(name: str) -> float:
+            return parse_metrics(http.get("/metrics").text)[(name, ())]
+
+        steps_before = engine_stat("qiao:engine_steps_total")
+        response = client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=400,
+            temperature=0,
+            stop=["Lily"],
+            extra_body={"ignore_eos": True},
+        )
+        assert response.choices[0].finish_reason == "stop"
+        wait_until(lambda: engine_stat("qiao:num_requests_running") == 0, 30, "the engine to idle")
+        steps = engine_stat("qiao:engine_steps_total") - steps_before
+    assert steps < 40, f"the engine ran {steps:.0f} steps for a text cut after ~10 tokens"
+
+
+def test_sampled_stop_strings_and_logprobs_match_offline_engine(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    """The server's engine process sends token ids; its API process makes the text, ends samples
+    on stop strings (dropping what the engine sampled past them) and names the logprob tokens.
+    The offline engine detokenizes in-process: both must agree, streamed or not."""
+    extra = {"stop": [" the", "."], "include_stop_str_in_output": False}
+    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=40, logprobs=2, **extra)
+    expected = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs
+    assert {c.finish_reason for c in expected} == {"stop"}
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+        "logprobs": 2,
+        "stop": extra["stop"],
+    }
+    response = client.completions.create(**kwargs)
+    for want, got in zip(expected, sorted(response.choices, key=lambda c: c.index), strict=True):
+        assert got.text == want.text
+        assert got.finish_reason == "stop"
+        assert got.logprobs is not None and want.logprobs is not None
+        assert got.logprobs.tokens == [
+            entry[tid].decoded_token
+            for tid, entry in zip(want.token_ids, want.logprobs, strict=True)
+        ]
+    streamed: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, str | None] = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == {c.index: c.text for c in expected}
+    assert finishes == {0: "stop", 1: "stop"}
 
 
 def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
