@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from qiao.config import SchedulerConfig
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.request import Request, RequestStatus
-from qiao.engine.scheduler import Scheduler
+from qiao.engine.scheduler import CAP_GROWTH_STEPS, Scheduler
 from qiao.sampling_params import SamplingParams
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
@@ -243,6 +243,30 @@ def _run_to_end(sched: Scheduler, request: Request, token: int = 7) -> list[int]
     return blocks
 
 
+def test_an_out_of_memory_cap_preempts_down_to_it_then_grows_back():
+    sched, bm = make_scheduler(num_blocks=64, max_num_seqs=8, budget=32)
+    requests = [make_request([1, 2, 3], max_tokens=200, eos=()) for _ in range(8)]
+    for request in requests:
+        sched.add_request(request)
+    step(sched)
+    assert sched.num_running == 8
+    sched.cap_step_tokens(3)
+    out = step(sched)
+    # The youngest five go back to waiting; the oldest three decode.
+    assert [s.request for s in out.scheduled] == requests[:3]
+    assert sorted(out.preempted_req_ids) == sorted(r.request_id for r in requests[3:])
+    assert all(r.status == RequestStatus.PREEMPTED for r in requests[3:])
+    sizes = [step(sched).num_scheduled_tokens for _ in range(CAP_GROWTH_STEPS * 3)]
+    assert max(sizes[: CAP_GROWTH_STEPS - 1]) <= 3
+    assert max(sizes[CAP_GROWTH_STEPS : 2 * CAP_GROWTH_STEPS - 1]) <= 6
+    assert sched.step_token_cap is None or sched.step_token_cap > 6
+    # Back to the full budget: every request runs again and finishes.
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(r.num_output_tokens == 200 for r in requests)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_freed_blocks_are_reused_before_fresh_ones():
     """Without prefix caching nothing is worth keeping: one request after another keeps using the
     same blocks, so the memory touched follows the load, not the pool's size."""
@@ -408,6 +432,7 @@ EVENTS = st.lists(
         ),
         st.tuples(st.just("steps"), st.integers(min_value=1, max_value=4)),
         st.tuples(st.just("abort"), st.integers(min_value=0, max_value=10**6)),
+        st.tuples(st.just("out of memory"), st.integers(min_value=1, max_value=6)),
     ),
     min_size=1,
     max_size=40,
@@ -428,7 +453,7 @@ def test_tiny_pool_runs_every_request_as_it_would_alone(
     events, num_blocks, budget, max_num_seqs, policy, chunked, prefix
 ):
     """Preemption (of requests already scheduled in the step too), chunked prefill, prefix hits,
-    n > 1 siblings, priorities and aborts, on a pool that holds only a few requests: after every
+    n > 1 siblings, priorities, aborts and out-of-memory step caps, on a pool that holds only a few requests: after every
     schedule() the invariants hold, and each request that was not aborted finishes with exactly
     the tokens it generates alone."""
     if not chunked:
@@ -482,6 +507,8 @@ def test_tiny_pool_runs_every_request_as_it_would_alone(
                 expected[request.request_id] = alone(prompt, params)
         elif event[0] == "steps":
             run_steps(event[1])
+        elif event[0] == "out of memory":
+            sched.cap_step_tokens(event[1])
         else:
             live = [r for r in requests.values() if not r.is_finished]
             if live:

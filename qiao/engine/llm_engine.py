@@ -116,7 +116,8 @@ class LLMEngine:
         """Schedule, execute and update once; return the outputs that are ready.
 
         A forward that raises is retried in halves (`_isolate`) until the requests that make it
-        fail are found: they end alone (`failed_requests`), the rest of the step goes on."""
+        fail are found: they end alone (`failed_requests`), the rest of the step goes on. After
+        an out-of-memory error, later steps are capped to the largest part that ran."""
         scheduler_output = self.scheduler.schedule()
         failed: list[RequestOutput] = []
         try:
@@ -149,11 +150,13 @@ class LLMEngine:
         )
         good: list[ScheduledRequest] = []
         bad: list[tuple[ScheduledRequest, Exception]] = []
+        largest_run = 0  # tokens of the largest part that ran
         merged = ModelRunnerOutput()
         rows: list[tuple[list[int], list[float]] | None] = []
         ranks: list[int] = []
 
         def run(items: list[ScheduledRequest], known_error: Exception | None) -> None:
+            nonlocal largest_run
             if not items:
                 return
             if known_error is None:
@@ -162,6 +165,7 @@ class LLMEngine:
                 except Exception as exc:
                     known_error = exc
                 else:
+                    largest_run = max(largest_run, sum(len(i.token_ids) for i in items))
                     good.extend(items)
                     merged.req_ids += out.req_ids
                     merged.sampled_token_ids += out.sampled_token_ids
@@ -176,6 +180,13 @@ class LLMEngine:
             run(items[half:], None)
 
         run(scheduler_output.scheduled, error)
+        if _is_out_of_memory(error) and largest_run:
+            logger.warning(
+                "a step of %d tokens ran out of memory; steps take at most %d tokens for a while",
+                scheduler_output.num_scheduled_tokens,
+                largest_run,
+            )
+            self.scheduler.cap_step_tokens(largest_run)
         if any(row is not None for row in rows):
             merged.logprobs, merged.sampled_ranks = rows, ranks
         outputs = []

@@ -6,6 +6,10 @@ running requests first (a decode needs 1; a chunked prefill its next chunk), the
 in policy order while sequences, tokens and KV blocks last. When a running request cannot get a
 block, the lowest-priority, youngest running request is preempted: its blocks are freed and it
 goes back to waiting, to be recomputed later (its prefix is usually still cached).
+
+After a step ran out of memory (`cap_step_tokens`), steps take at most the tokens of the largest
+part of it that ran, and running requests past that many are preempted; the cap doubles back
+after every `CAP_GROWTH_STEPS` steps that ran, until it is the configured budget again.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from qiao.config import SchedulerConfig
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.request import Request, RequestStatus
 from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+# Steps that run under an out-of-memory cap before it doubles.
+CAP_GROWTH_STEPS = 32
 
 
 class Scheduler:
@@ -32,6 +39,9 @@ class Scheduler:
         self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Tokens per step after an out-of-memory step (None: the configured budget).
+        self.step_token_cap: int | None = None
+        self._steps_under_cap = 0
 
     @property
     def num_waiting(self) -> int:
@@ -53,10 +63,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
+    def cap_step_tokens(self, max_tokens: int) -> None:
+        """Steps take at most `max_tokens` tokens for a while (a larger one ran out of memory)."""
+        if max_tokens >= self.config.max_num_batched_tokens:
+            return
+        self.step_token_cap = max(1, max_tokens)
+        self._steps_under_cap = 0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        full_budget = self._step_budget()
+        budget = full_budget
         scheduled: dict[str, ScheduledRequest] = {}
+        while len(self.running) > budget:  # under an out-of-memory cap: fewer sequences
+            victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
+            self._preempt(victim, scheduled, out)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -73,8 +94,21 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._admit_waiting(budget, scheduled)
         out.scheduled = list(scheduled.values())
-        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.num_scheduled_tokens = full_budget - budget
         return out
+
+    def _step_budget(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        if self.step_token_cap is None:
+            return budget
+        self._steps_under_cap += 1
+        if self._steps_under_cap > CAP_GROWTH_STEPS:
+            self.step_token_cap *= 2
+            self._steps_under_cap = 1
+            if self.step_token_cap >= budget:
+                self.step_token_cap = None
+                return budget
+        return self.step_token_cap
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -128,6 +128,8 @@ def test_out_of_memory_retries_smaller_and_a_request_too_large_fails_alone(
     responses = asyncio.run(_all_at_once(server, [*bodies, long_prompt]))
     too_large = responses.pop()
     assert max(steps) > 8  # the batch was tried whole, then smaller
+    # ... and later steps stay smaller (the cap), rather than failing and halving every time.
+    assert sum(n > 8 for n in steps) <= 3, steps
     assert _texts(responses) == expected
     assert too_large.status_code == 400, too_large.text
     assert "memory" in too_large.json()["error"]["message"]
