@@ -92,6 +92,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.draining = False
     app.state.key_limiter = None
+    app.state.keyring = None
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(embeddings_router)
@@ -113,6 +114,7 @@ def create_app(
     keyring = KeyRing(settings.api_keys(), settings.keys_file)
     install_openapi(app, api_keys=keyring.enabled)
     if keyring.enabled:
+        app.state.keyring = keyring
         limiter = KeyLimiter(settings.rate_limit_storage) if settings.keys_file else None
         app.state.key_limiter = limiter
         # Added last, so it runs first: nothing else sees an unauthenticated request.

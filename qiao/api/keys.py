@@ -270,6 +270,21 @@ class KeyLimiter:
         return headers
 
 
+_LIMIT_NAMES = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "requests in flight at once",
+}
+
+
+def limit_message(exceeded: str) -> str:
+    """What a refused caller reads: which limit of its key it reached."""
+    return (
+        f"rate limit reached for this API key: {_LIMIT_NAMES[exceeded]}; retry after the "
+        "Retry-After seconds"
+    )
+
+
 def _duration(seconds: float) -> str:
     """OpenAI's reset format: "1s", "6m0s", "0.5s"."""
     if seconds < 60:

