@@ -21,7 +21,12 @@ from qiao.api.errors import error_body, install_error_handlers
 from qiao.api.keys import KeyLimiter, KeyRing
 from qiao.api.kserve import router as kserve_router
 from qiao.api.metrics import ServerMetrics
-from qiao.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
+from qiao.api.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    StatusCountMiddleware,
+)
 from qiao.api.openai_routes import router as openai_router
 from qiao.api.openapi import install_openapi
 from qiao.api.settings import ServeSettings
@@ -124,7 +129,19 @@ def create_app(
             limiter=limiter,
             on_outcome=lambda name, outcome: metrics.key_requests.labels(name, outcome).inc(),
         )
+    # Outermost: every answer, a 401 or a 413 too, carries the request id and is logged.
+    app.add_middleware(RequestIdMiddleware, log=settings.access_log)
     return app
+
+
+def _readiness(request: Request) -> JSONResponse | dict[str, Any]:
+    manager: ModelManager = request.app.state.router
+    if request.app.state.draining:
+        return JSONResponse(error_body(503, "draining"), status_code=503)
+    reason = manager.not_ready_reason()
+    if reason is not None:
+        return JSONResponse(error_body(503, reason), status_code=503)
+    return {"status": "ok", "circuit_breakers": circuit_breakers(manager)}
 
 
 def _add_health_routes(app: FastAPI) -> None:
@@ -136,13 +153,22 @@ def _add_health_routes(app: FastAPI) -> None:
     @app.get("/health/ready", response_model=None)
     async def ready(request: Request) -> JSONResponse | dict[str, Any]:
         """Models are loaded and their engines are making progress (and not draining)."""
-        manager: ModelManager = request.app.state.router
-        if request.app.state.draining:
-            return JSONResponse(error_body(503, "draining"), status_code=503)
-        reason = manager.not_ready_reason()
-        if reason is not None:
-            return JSONResponse(error_body(503, reason), status_code=503)
-        return {"status": "ok", "circuit_breakers": circuit_breakers(manager)}
+        return _readiness(request)
+
+    @app.get("/health", response_model=None)
+    async def health(request: Request) -> JSONResponse | dict[str, Any]:
+        """`/health/ready` under the name vLLM and the load tools it serves (guidellm) probe."""
+        return _readiness(request)
+
+    @app.get("/ping", response_model=None)
+    async def ping(request: Request) -> JSONResponse | dict[str, Any]:
+        """`/health/ready` under SageMaker's name (vLLM serves it too)."""
+        return _readiness(request)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The server's version."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""ASGI middleware: API-key auth, request-size limit, HTTP status counting.
+"""ASGI middleware: request ids and the access log, API-key auth, request-size limit, HTTP
+status counting.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass through
 untouched.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,7 +27,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Liveness and readiness stay open so orchestrators can probe without credentials.
-PUBLIC_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
+PUBLIC_PATHS = frozenset(
+    {"/health", "/ping", "/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}
+)
 
 
 async def send_error(
@@ -161,6 +167,65 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+MAX_REQUEST_ID_LENGTH = 128
+access_logger = logging.getLogger("qiao.access")
+
+
+class RequestIdMiddleware:
+    """Every HTTP response carries `X-Request-Id`: the request's own (1-128 printable ASCII
+    characters, no spaces) or a fresh one, also in `scope["state"]["request_id"]`. With `log`,
+    one line per request names it (client, method, path, status, milliseconds); health probes
+    and metric scrapes are logged at debug level."""
+
+    def __init__(self, app: ASGIApp, log: bool = True) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _valid_request_id(dict(scope["headers"]).get(b"x-request-id"))
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+        status = 0
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.log:
+                path = scope["path"]
+                quiet = path in PUBLIC_PATHS or path == "/metrics"
+                client = scope.get("client")
+                access_logger.log(
+                    logging.DEBUG if quiet else logging.INFO,
+                    '%s "%s %s" %s %.1f ms request_id=%s',
+                    f"{client[0]}:{client[1]}" if client else "-",
+                    scope["method"],
+                    path,
+                    status or "-",
+                    (time.perf_counter() - started) * 1000,
+                    request_id,
+                )
+
+
+def _valid_request_id(value: bytes | None) -> str | None:
+    if not value or len(value) > MAX_REQUEST_ID_LENGTH:
+        return None
+    if not all(0x21 <= byte <= 0x7E for byte in value):
+        return None
+    return value.decode("ascii")
 
 
 class StatusCountMiddleware:

@@ -38,13 +38,35 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
+    """Served models, generative ones first (tools that take the first model get an LLM)."""
     manager: ModelManager = request.app.state.router
-    cards = []
-    for name in manager.model_names():
-        served = manager.get(name)
-        max_len = served.engine.max_model_len if isinstance(served, LLMVersion) else None
-        cards.append(ModelCard(id=name, max_model_len=max_len))
+    cards = [_card(manager, name) for name in manager.model_names()]
+    cards.sort(key=lambda card: card.max_model_len is None)  # stable: names stay sorted
     return ModelList(data=cards)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+    """One served model (`model@version` names a version); 404 when it is not served."""
+    manager: ModelManager = request.app.state.router
+    name, version = split_model_id(model_id)
+    if name not in manager.model_names() or (
+        version is not None and version not in manager.ready_versions(name)
+    ):
+        raise APIError(
+            404,
+            f"model {quoted(model_id)} is not served; GET /v1/models lists them",
+            param="model",
+            code="model_not_found",
+        )
+    card = _card(manager, name)
+    return card.model_copy(update={"id": model_id})
+
+
+def _card(manager: ModelManager, name: str) -> ModelCard:
+    served = manager.get(name)
+    max_len = served.engine.max_model_len if isinstance(served, LLMVersion) else None
+    return ModelCard(id=name, max_model_len=max_len)
 
 
 def split_model_id(model: str) -> tuple[str, str | None]:

@@ -115,6 +115,9 @@ _ROUTE_STATUSES: dict[tuple[str, str], set[int]] = {
     ("post", "/v2/models/{model_name}/infer"): {404, 415, 503},
     ("post", "/v2/models/{model_name}/versions/{model_version}/infer"): {404, 415, 503},
     ("get", "/health/ready"): {503},
+    ("get", "/health"): {503},
+    ("get", "/ping"): {503},
+    ("get", "/v1/models/{model_id}"): {404},
 }
 
 

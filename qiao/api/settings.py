@@ -218,6 +218,11 @@ class ServeSettings(BaseSettings):
         10.0, ge=0, description="seconds between throughput log lines (0 = off)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    access_log: bool = Field(
+        True,
+        description="log one line per HTTP request: client, method, path, status, milliseconds "
+        "and X-Request-Id (health probes and metric scrapes at debug level)",
+    )
     config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
 
     @field_validator("api_key", "cors_origins", "load_model", mode="before")

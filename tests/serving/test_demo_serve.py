@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -12,21 +11,17 @@ from test_demo_model import assert_english
 
 from .conftest import SubprocessServer
 
-STARTUP_LIMIT_S = 10.0
-
 
 def test_bare_qiao_serve_answers_chat_in_english(tmp_path: Path) -> None:
     # No flags at all: the port and the log interval come from the environment.
     env = {**os.environ, "QIAO_PORT": "0", "QIAO_LOG_INTERVAL": "0"}
-    started = time.monotonic()
     server = SubprocessServer(None, tmp_path / "server.log", env=env)
     try:
-        server.wait_ready(timeout=60.0)
-        startup = time.monotonic() - started
-        assert startup < STARTUP_LIMIT_S, f"ready after {startup:.1f} s"
+        server.wait_ready(timeout=60.0)  # a bound for a hung start, not a speed check
         with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
-            models = {m["id"] for m in client.get("/v1/models").json()["data"]}
-            assert models == {"demo_model", "all-MiniLM-L6-v2"}
+            models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            # The generative model first: tools that take the first listed model get an LLM.
+            assert models == ["demo_model", "all-MiniLM-L6-v2"]
             texts = []
             for seed in range(4):
                 response = client.post(
