@@ -30,7 +30,14 @@ from .conftest import (
 )
 
 API_KEY = "sk-qiao-test-7f3a9c1e"
-PUBLIC_PATHS = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}
+PUBLIC_PATHS = {
+    "/health",
+    "/ping",
+    "/health/live",
+    "/health/ready",
+    "/v2/health/live",
+    "/v2/health/ready",
+}
 ORIGIN = "https://ui.example.com"
 
 
