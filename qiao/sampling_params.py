@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from qiao.errors import ConfigError
 
@@ -20,6 +21,10 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` (or -1) disables top-k. `logprobs=k` returns the
     top-k log-probabilities plus the chosen token's at every generated position.
+
+    `structured_outputs` constrains the output (vLLM's names), one of: `{"json": schema}` (a dict
+    or its JSON text), `{"json_object": True}`, `{"regex": pattern}`, `{"choice": [strings]}`,
+    `{"grammar": lark_or_gbnf}`. See `qiao.runner.grammar`.
     """
 
     n: int = 1
@@ -39,6 +44,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +105,27 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.structured_outputs is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        kinds = ("json", "json_object", "regex", "choice", "grammar")
+        given = self.structured_outputs or {}
+        _check(
+            isinstance(given, dict) and len(given) == 1 and next(iter(given)) in kinds,
+            "structured_outputs",
+            f"must give exactly one of {', '.join(kinds)}, got {given!r}",
+        )
+        kind, spec = next(iter(given.items()))
+        if kind == "json":
+            ok = isinstance(spec, dict | str | bool)
+            _check(ok, "structured_outputs", "json must be a JSON schema (object or its text)")
+        elif kind == "choice":
+            ok = isinstance(spec, list) and bool(spec) and all(isinstance(c, str) for c in spec)
+            _check(ok, "structured_outputs", "choice must be a non-empty list of strings")
+        elif kind in ("regex", "grammar"):
+            ok = isinstance(spec, str) and bool(spec)
+            _check(ok, "structured_outputs", f"{kind} must be a non-empty string")
 
     @property
     def is_greedy(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from qiao.api.errors import APIError, as_api_error
 from qiao.api.protocol import ChatCompletionRequest, CompletionRequest
 from qiao.api.settings import ServeSettings
+from qiao.api.structured import structured_outputs_of
 from qiao.errors import ConfigError
 from qiao.sampling_params import SamplingParams
 
@@ -82,10 +83,6 @@ def _check_chat_fields(req: ChatCompletionRequest, settings: ServeSettings) -> N
             )
     if req.tools:
         raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400, "response_format: only type 'text' is supported", param="response_format"
-        )
 
 
 def stop_list(req: CompletionRequest | ChatCompletionRequest) -> list[str]:
@@ -169,6 +166,7 @@ def to_sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=num_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs_of(req),
         )
     except ConfigError as exc:
         raise as_api_error(exc) from None

@@ -48,6 +48,13 @@ class _SamplingFields(_Request):
     timeout: float | None = Field(
         None, gt=0.0, description="deadline for the whole request, seconds"
     )
+    # Structured output (qiao/api/structured.py): OpenAI's, vLLM's object, vLLM's older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,7 +91,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 

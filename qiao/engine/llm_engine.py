@@ -25,6 +25,7 @@ from qiao.hal.platform import default_device, resolve_dtype
 from qiao.kernels import cpu_ops
 from qiao.models.arch_config import load_arch_config
 from qiao.outputs import RequestOutput
+from qiao.runner.grammar import GrammarCompiler
 from qiao.runner.model_runner import ModelRunner
 from qiao.sampling_params import SamplingParams
 from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -94,6 +95,7 @@ class LLMEngine:
         self.failed_requests: list[tuple[str, QiaoError]] = []
         # Prompts that made a step fail: key -> refused until (time.monotonic()).
         self._refused_prompts: dict[bytes, float] = {}
+        self._grammars: GrammarCompiler | None = None
 
     def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model
@@ -125,6 +127,9 @@ class LLMEngine:
         except Exception as exc:
             scheduler_output, runner_output, failed = self._isolate(scheduler_output, exc)
         updated = self.scheduler.update(scheduler_output, runner_output)
+        for request in updated:
+            if request.grammar is not None:
+                _advance_grammar(request)
         self.num_steps += 1
         self.num_computed_tokens_total += scheduler_output.num_scheduled_tokens
         self.num_generated_tokens_total += len(updated)
@@ -259,9 +264,28 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            compiler = self._grammar_compiler()
+            for child in children:
+                child.grammar = compiler.matcher(params.structured_outputs)
         self.output_processor.add_request(request_id, prompt_text, children, stream)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (the tokenizer loaded then if this engine has
+        none: an engine process whose API process detokenizes)."""
+        if self._grammars is None:
+            mc = self.config.model
+            if mc.skip_tokenizer_init:
+                raise ConfigError(
+                    "structured_outputs: needs the model's tokenizer, and this engine was "
+                    "started without one (skip_tokenizer_init)",
+                    param="structured_outputs",
+                )
+            tokenizer = self.tokenizer or load_tokenizer(mc.tokenizer or mc.path)
+            self._grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
         """End requests wherever they are; their blocks are free when this returns."""
@@ -382,6 +406,20 @@ class LLMEngine:
             return seed
         digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _advance_grammar(request: Request) -> None:
+    """Feed the sampled token to the request's matcher. A token it refuses (one the sampler had
+    to pick past the mask: `min_tokens` over a finished grammar) ends the constraint, logged."""
+    matcher = request.grammar
+    if not matcher.consume_token(request.output_token_ids[-1]) or matcher.is_error():
+        logger.warning(
+            "request %s: the structured-output constraint ended (%s); sampling goes on "
+            "unconstrained",
+            request.request_id,
+            matcher.get_error() or "token outside the grammar",
+        )
+        request.grammar = None
 
 
 def _sub_step(items: list[ScheduledRequest]) -> SchedulerOutput:

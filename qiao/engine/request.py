@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from qiao.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Chained hashes of the full blocks of all_token_ids, extended by the block manager.
         self.block_hashes: list[bytes] = []
+        # The structured-output matcher (llguidance) constraining this sample, if any.
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

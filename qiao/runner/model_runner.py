@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from qiao.hal.platform import to_device_async, total_memory_bytes
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
 from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
+from qiao.runner.grammar import MaskFiller, apply_token_bitmask
 from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
@@ -70,6 +72,7 @@ class ModelRunner:
             batch_hint=max_num_seqs,
         )
         self.sampler = Sampler()
+        self._mask_filler: MaskFiller | None = None  # on the first structured-output step
         self.kv_caches: list[torch.Tensor] = []
         self.prefault_thread: threading.Thread | None = None  # the CPU KV pool's (init_kv_cache)
         self.block_size = 16
@@ -176,6 +179,9 @@ class ModelRunner:
         rows = to_device_async(last_token[sample_rows], self.device)
         logits = self.model.compute_logits(hidden[rows])
         requests = [scheduled[i].request for i in sample_rows]
+        constrained = [j for j, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            self._apply_grammars(logits, [requests[j].grammar for j in constrained], constrained)
         sampling = SamplingMetadata.from_rows(
             [
                 SamplingRow(
@@ -187,6 +193,13 @@ class ModelRunner:
             device=self.device,
         )
         return self._to_output(requests, self.sampler(logits, sampling))
+
+    def _apply_grammars(self, logits: torch.Tensor, matchers: list[Any], rows: list[int]) -> None:
+        """Mask the logits of structured-output rows to the tokens their grammar allows."""
+        if self._mask_filler is None:
+            self._mask_filler = MaskFiller(logits.shape[-1])
+        bitmask = self._mask_filler.fill(matchers)
+        apply_token_bitmask(logits, bitmask, None if len(rows) == len(logits) else rows)
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
