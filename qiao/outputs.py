@@ -58,3 +58,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which
+    # nothing predicts). A stream carries them once, in its first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

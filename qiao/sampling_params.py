@@ -20,7 +20,9 @@ class SamplingParams:
     """How to pick tokens for one prompt.
 
     `temperature == 0` means greedy. `top_k <= 0` (or -1) disables top-k. `logprobs=k` returns the
-    top-k log-probabilities plus the chosen token's at every generated position.
+    top-k log-probabilities plus the chosen token's at every generated position; `prompt_logprobs=k`
+    the same at every prompt position after the first (computed in the prefill; such a request
+    takes no prefix-cache hit, so no position is skipped).
 
     `structured_outputs` constrains the output (vLLM's names), one of: `{"json": schema}` (a dict
     or its JSON text), `{"json_object": True}`, `{"regex": pattern}`, `{"choice": [strings]}`,
@@ -43,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: dict[str, Any] | None = None
 
@@ -95,6 +98,12 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                f"must be an integer >= 0, got {self.prompt_logprobs!r}",
+            )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )

@@ -49,3 +49,8 @@ class ModelRunnerOutput:
     logprobs: list[tuple[list[int], list[float]] | None] | None = None
     # Per sampled row, when logprobs were asked: rank of the sampled token (1 = most likely).
     sampled_ranks: list[int] | None = None
+    # Request id -> (first prompt position covered, entries): the logprobs of prompt tokens
+    # first+1, first+2, ... as `Request.prompt_logprobs` keeps them.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] = field(
+        default_factory=dict
+    )

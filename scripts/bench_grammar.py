@@ -14,6 +14,11 @@ hub is needed, and grammar engines see a real BPE vocabulary. For each engine an
   of a step filled (llguidance's parallel executor; xgrammar's batch matcher), then each
   accepts its token; mean per step;
 - applying the 64 masks to float32 logits, each engine's own function and qiao's.
+
+`--overhead` also runs qiao's engine on the smollm2-135m shape (random weights, this tokenizer)
+with 64 sequences decoding 64 tokens each, free and constrained to a JSON schema in turn, and
+reports the time spent filling and applying masks as a share of step time, and the wall-time
+ratio of the two runs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -304,11 +310,68 @@ def measure(engine: Any, tokenizer: Any, repeat: int) -> dict[str, Any]:
     return result
 
 
+def step_overhead(tokenizer: Any, repeat: int) -> dict[str, Any]:
+    """Constrained vs free decoding of 64 sequences in qiao's engine, on the 135M shape."""
+    from qiao import LLM, SamplingParams
+    from qiao.bench.shapes import write_shape_dir
+    from qiao.runner.model_runner import ModelRunner
+
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    with tempfile.TemporaryDirectory() as directory:
+        write_shape_dir("smollm2-135m", directory)
+        tokenizer.save_pretrained(directory)
+        llm = LLM(directory, load_format="dummy", max_num_seqs=BATCH, seed=0)
+        mask_time = [0.0]
+        apply_grammars = ModelRunner._apply_grammars
+
+        def timed(self: Any, *args: Any) -> None:
+            start = time.perf_counter()
+            apply_grammars(self, *args)
+            mask_time[0] += time.perf_counter() - start
+
+        ModelRunner._apply_grammars = timed  # type: ignore[method-assign]
+        prompts = [f"Write item {i} of the list as JSON with a text field." for i in range(BATCH)]
+        runs: dict[str, list[float]] = {"free": [], "constrained": []}
+        shares = []
+        for _ in range(repeat):
+            for label in ("free", "constrained"):
+                params = SamplingParams(
+                    temperature=1.0,
+                    seed=1,
+                    max_tokens=64,
+                    ignore_eos=True,
+                    structured_outputs={"json": schema} if label == "constrained" else None,
+                )
+                mask_time[0] = 0.0
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                runs[label].append(elapsed)
+                if label == "constrained":
+                    shares.append(mask_time[0] / elapsed)
+        ModelRunner._apply_grammars = apply_grammars  # type: ignore[method-assign]
+    free, constrained = statistics.median(runs["free"]), statistics.median(runs["constrained"])
+    return {
+        "shape": "smollm2-135m",
+        "dtype": str(llm.engine.runner.dtype),
+        "sequences": BATCH,
+        "output_tokens": 64,
+        "free_s": round(free, 3),
+        "constrained_s": round(constrained, 3),
+        "wall_ratio": round(constrained / free, 4),
+        "mask_share_of_run": round(statistics.median(shares), 4),
+    }
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--overhead", action="store_true", help="also measure qiao's constrained decoding"
+    )
     args = parser.parse_args(argv)
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
     report: dict[str, Any] = {
@@ -334,6 +397,15 @@ def main(argv: list[str]) -> int:
                 f"    {label:<30} compile {s['compile_ms']:8.2f} ms  "
                 f"b=1 {s['mask_and_accept_ms_per_token_batch_1']:.4f} ms/token"
             )
+    if args.overhead:
+        torch.set_num_threads(default_threads)
+        report["overhead"] = overhead = step_overhead(tokenizer, args.repeat)
+        print(
+            f"qiao, {overhead['sequences']} sequences x {overhead['output_tokens']} tokens on "
+            f"{overhead['shape']} ({overhead['dtype']}): free {overhead['free_s']} s, "
+            f"constrained {overhead['constrained_s']} s (x{overhead['wall_ratio']}); "
+            f"masks {overhead['mask_share_of_run'] * 100:.1f} % of the constrained run"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

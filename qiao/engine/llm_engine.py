@@ -126,6 +126,11 @@ class LLMEngine:
             runner_output = self.runner.execute(scheduler_output)
         except Exception as exc:
             scheduler_output, runner_output, failed = self._isolate(scheduler_output, exc)
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            # A recomputed prompt (after preemption) scores positions already kept: skip them.
+            if request is not None and len(request.prompt_logprobs) == first:
+                request.prompt_logprobs += entries
         updated = self.scheduler.update(scheduler_output, runner_output)
         for request in updated:
             if request.grammar is not None:
@@ -172,6 +177,7 @@ class LLMEngine:
                 else:
                     largest_run = max(largest_run, sum(len(i.token_ids) for i in items))
                     good.extend(items)
+                    merged.prompt_logprobs.update(out.prompt_logprobs)
                     merged.req_ids += out.req_ids
                     merged.sampled_token_ids += out.sampled_token_ids
                     rows.extend(out.logprobs or [None] * len(out.req_ids))
@@ -409,10 +415,15 @@ class LLMEngine:
 
 
 def _advance_grammar(request: Request) -> None:
-    """Feed the sampled token to the request's matcher. A token it refuses (one the sampler had
-    to pick past the mask: `min_tokens` over a finished grammar) ends the constraint, logged."""
+    """Feed the sampled token to the request's matcher. A finished grammar (its EOS taken, and
+    `ignore_eos` going on) constrains nothing more; a token it refuses (one the sampler had to
+    pick past the mask: `min_tokens` over a finished grammar) ends the constraint, logged."""
     matcher = request.grammar
-    if not matcher.consume_token(request.output_token_ids[-1]) or matcher.is_error():
+    accepted = matcher.consume_token(request.output_token_ids[-1])
+    if accepted and matcher.is_stopped():
+        request.grammar = None
+        return
+    if not accepted or matcher.is_error():
         logger.warning(
             "request %s: the structured-output constraint ended (%s); sampling goes on "
             "unconstrained",

@@ -27,6 +27,27 @@ def set_token_texts(tokenizer: Any, prev: int, entry: dict[int, Logprob]) -> Non
         logprob.decoded_token = decode([prev, token_id])[len(base) :]
 
 
+def prompt_logprobs_of(
+    prompt_token_ids: list[int],
+    entries: list[tuple[list[int], list[float], int]],
+    tokenizer: Any,
+) -> list[dict[int, Logprob] | None]:
+    """A request's prompt logprobs as outputs carry them: None for the first token, then per
+    token its logprob (and rank) and the top-k, with texts when there is a tokenizer."""
+    result: list[dict[int, Logprob] | None] = [None]
+    for position, (ids, values, rank) in enumerate(entries):
+        entry = {
+            token_id: Logprob(value, rank=i)
+            for i, (token_id, value) in enumerate(zip(ids, values, strict=True))
+            if i > 0
+        }
+        entry[ids[0]] = Logprob(values[0], rank=rank)
+        if tokenizer is not None:
+            set_token_texts(tokenizer, prompt_token_ids[position], entry)
+        result.append(entry)
+    return result
+
+
 @dataclass
 class RequestState:
     """One user request: its prompt and the state of each of its n samples."""
@@ -43,6 +64,8 @@ class RequestState:
     num_cached_tokens: int = 0
     # Streaming: how many token ids / logprob entries of each completion were already returned.
     sent_tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -111,6 +134,10 @@ class OutputProcessor:
             token_id = request.output_token_ids[-1]
             prev = request.all_token_ids[-2]
             completion.token_ids.append(token_id)
+            if state.prompt_logprobs is None and state.params.prompt_logprobs is not None:
+                state.prompt_logprobs = prompt_logprobs_of(
+                    request.prompt_token_ids, request.prompt_logprobs, self.tokenizer
+                )
             self._add_logprobs(completion, runner_output, row_of[request.request_id], prev)
             detok = state.detokenizers[index]
             stop_str = detok.update([token_id]) if detok is not None else None
@@ -164,6 +191,11 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = time.monotonic()
             self._forget(state)
+        prompt_logprobs = state.prompt_logprobs
+        if state.stream:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            state.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -173,6 +205,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             # A snapshot: the engine keeps updating the live one after this output is handed off.
             metrics=dataclasses.replace(state.metrics),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _delta(self, state: RequestState, index: int) -> CompletionOutput:
@@ -228,6 +261,7 @@ class DeltaDetokenizer:
         self.samples = [
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params) for _ in range(params.n)
         ]
+        self.prompt_token_ids = prompt_token_ids
         self.last_token = [prompt_token_ids[-1]] * params.n
         self.stopped: list[str | None] = [None] * params.n  # the stop string that ended each
         self.cumulative: list[float | None] = [None] * params.n  # each one's, as it ended
@@ -263,6 +297,10 @@ class DeltaDetokenizer:
             metrics = dataclasses.replace(metrics, num_generation_tokens=self.num_tokens)
             if finished and metrics.finished_time is None:
                 metrics.finished_time = time.monotonic()
+        if output.prompt_logprobs is not None:
+            for position, entry in enumerate(output.prompt_logprobs[1:]):
+                if entry is not None:
+                    set_token_texts(self.tokenizer, self.prompt_token_ids[position], entry)
         result = dataclasses.replace(
             output, outputs=completions, finished=finished, metrics=metrics
         )

@@ -80,6 +80,17 @@ class Request:
         self.block_hashes: list[bytes] = []
         # The structured-output matcher (llguidance) constraining this sample, if any.
         self.grammar: Any = None
+        # Per prompt position 1.. (when params.prompt_logprobs): (top ids, values, the prompt
+        # token's rank); the prompt token's logprob is values[0] (its id first in ids).
+        self.prompt_logprobs: list[tuple[list[int], list[float], int]] = []
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (no prefix-cache hit then)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -193,7 +193,10 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0][2]
-            hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            if request.needs_prompt_logprobs:  # every prompt position must be computed
+                hits, num_hit_tokens = [], 0
+            else:
+                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:

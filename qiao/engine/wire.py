@@ -99,13 +99,16 @@ def output_to_wire(output: RequestOutput) -> list[Any]:
         output.finished,
         output.num_cached_tokens,
         None if metrics is None else [getattr(metrics, name) for name in _METRIC_FIELDS],
+        None
+        if output.prompt_logprobs is None
+        else [_entry_to_wire(e) for e in output.prompt_logprobs],
     ]
 
 
 def output_from_wire(
     values: list[Any], prompt: str | None, prompt_token_ids: list[int]
 ) -> RequestOutput:
-    request_id, completions, finished, num_cached, metrics = values
+    request_id, completions, finished, num_cached, metrics, prompt_logprobs = values
     return RequestOutput(
         request_id=request_id,
         prompt=prompt,
@@ -116,16 +119,28 @@ def output_from_wire(
         metrics=None
         if metrics is None
         else RequestMetrics(**dict(zip(_METRIC_FIELDS, metrics, strict=True))),
+        prompt_logprobs=None
+        if prompt_logprobs is None
+        else [_entry_from_wire(e) for e in prompt_logprobs],
     )
+
+
+def _entry_to_wire(entry: dict[int, Logprob] | None) -> dict[int, list[Any]] | None:
+    if entry is None:
+        return None
+    return {tid: [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in entry.items()}
+
+
+def _entry_from_wire(entry: dict[int, list[Any]] | None) -> dict[int, Logprob] | None:
+    if entry is None:
+        return None
+    return {tid: Logprob(*lp) for tid, lp in entry.items()}
 
 
 def _completion_to_wire(c: CompletionOutput) -> list[Any]:
     logprobs = None
     if c.logprobs is not None:
-        logprobs = [
-            {tid: [lp.logprob, lp.rank, lp.decoded_token] for tid, lp in entry.items()}
-            for entry in c.logprobs
-        ]
+        logprobs = [_entry_to_wire(entry) for entry in c.logprobs]
     return [
         c.index,
         c.text,
@@ -144,9 +159,7 @@ def _completion_from_wire(values: list[Any]) -> CompletionOutput:
         text=text,
         token_ids=token_ids,
         cumulative_logprob=cumulative,
-        logprobs=None
-        if logprobs is None
-        else [{tid: Logprob(*lp) for tid, lp in entry.items()} for entry in logprobs],
+        logprobs=None if logprobs is None else [_entry_from_wire(entry) for entry in logprobs],  # type: ignore[misc]
         finish_reason=finish_reason,
         stop_reason=stop_reason,
     )

@@ -164,6 +164,7 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput()
         hidden = None
+        prompt_logprobs: dict[str, Any] = {}
         if self.decode_graphs is not None:
             # Row i is sequence i's one token, or None: not pure decode, or no bucket fits.
             hidden = self.decode_graphs.run(scheduler_output)
@@ -173,9 +174,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, metadata)
             # The last token of sequence i sits at query_start_loc[i + 1] - 1.
             last_token = metadata.query_start_loc_cpu[1:] - 1
+            if any(s.request.needs_prompt_logprobs for s in scheduled):
+                prompt_logprobs = self._prompt_logprobs(
+                    scheduled, hidden, metadata.query_start_loc_cpu
+                )
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not sample_rows:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         rows = to_device_async(last_token[sample_rows], self.device)
         logits = self.model.compute_logits(hidden[rows])
         requests = [scheduled[i].request for i in sample_rows]
@@ -192,7 +197,60 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        return self._to_output(requests, self.sampler(logits, sampling))
+        out = self._to_output(requests, self.sampler(logits, sampling))
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _prompt_logprobs(
+        self, scheduled: list[Any], hidden: torch.Tensor, starts: np.ndarray
+    ) -> dict[str, tuple[int, list[tuple[list[int], list[float], int]]]]:
+        """Logprobs of the prompt tokens this step's prefill chunks predict: position p's
+        logits score prompt token p + 1 (its logprob and rank, and the top-k), in float32."""
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        spans: list[tuple[str, int, int]] = []  # (request id, first position, count)
+        for i, s in enumerate(scheduled):
+            request = s.request
+            if not request.needs_prompt_logprobs:
+                continue
+            first = s.num_computed_tokens
+            last = min(first + len(s.token_ids), len(request.prompt_token_ids) - 1)
+            if last <= first:
+                continue
+            base = int(starts[i])
+            rows += range(base, base + last - first)
+            targets += request.prompt_token_ids[first + 1 : last + 1]
+            ks += [request.params.prompt_logprobs] * (last - first)
+            spans.append((request.request_id, first, last - first))
+        entries: list[tuple[list[int], list[float], int]] = []
+        top_k = max(ks, default=0)
+        for begin in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            end = begin + _PROMPT_LOGPROB_ROWS
+            index = torch.tensor(rows[begin:end], device=hidden.device)
+            target = torch.tensor(targets[begin:end], device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+            chosen = logprobs.gather(1, target[:, None])
+            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+            top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (chosen[:, :0],) * 2
+            for j, (token, value, rank, ids, values) in enumerate(
+                zip(
+                    target.tolist(),
+                    chosen[:, 0].tolist(),
+                    ranks,
+                    top_ids.tolist(),
+                    top_values.tolist(),
+                    strict=True,
+                )
+            ):
+                k = ks[begin + j]
+                entries.append(([token, *ids[:k]], [value, *values[:k]], rank))
+        result = {}
+        offset = 0
+        for request_id, first, count in spans:
+            result[request_id] = (first, entries[offset : offset + count])
+            offset += count
+        return result
 
     def _apply_grammars(self, logits: torch.Tensor, matchers: list[Any], rows: list[int]) -> None:
         """Mask the logits of structured-output rows to the tokens their grammar allows."""
@@ -260,6 +318,10 @@ class ModelRunner:
             k = r.params.logprobs
             out.logprobs.append(None if k is None else (row_ids[: 1 + k], row_values[: 1 + k]))
         return out
+
+
+# Prompt positions scored per logits matrix (rows x vocabulary floats at a time).
+_PROMPT_LOGPROB_ROWS = 256
 
 
 def _prefault_order(caches: list[torch.Tensor]) -> list[tuple[int, int, int]]:
