@@ -81,8 +81,33 @@ def _check_chat_fields(req: ChatCompletionRequest, settings: ServeSettings) -> N
                 f"top_logprobs: at most {settings.max_top_logprobs}, got {req.top_logprobs}",
                 param="top_logprobs",
             )
-    if req.tools:
-        raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+    _check_tools(req)
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    """Function names unique; a tool_choice that calls for a tool names a listed one."""
+    names: set[str] = set()
+    for i, tool in enumerate(req.tools or []):
+        name = tool.function.name
+        if name in names:
+            param = f"tools.{i}.function.name"
+            raise APIError(400, f"{param}: duplicate function name {name!r}", param=param)
+        names.add(name)
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return
+    if not names:
+        raise APIError(
+            400,
+            "tool_choice: asks for a tool call but the request has no tools",
+            param="tool_choice",
+        )
+    if not isinstance(choice, str) and choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice: function {choice.function.name!r} is not among the request's tools",
+            param="tool_choice",
+        )
 
 
 def stop_list(req: CompletionRequest | ChatCompletionRequest) -> list[str]:

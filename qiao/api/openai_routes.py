@@ -17,7 +17,13 @@ from qiao.api.limits import (
     split_inputs,
     to_sampling_params,
 )
-from qiao.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from qiao.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    template_messages,
+)
 from qiao.api.serving import (
     Job,
     chat_logprobs,
@@ -27,6 +33,7 @@ from qiao.api.serving import (
     stream_events,
     usage,
 )
+from qiao.api.tool_parsers import ParsedText, ToolCallParser, ToolParsing, tool_parsing
 from qiao.engine.async_engine import GenerateRequest
 from qiao.outputs import CompletionOutput, Logprob
 from qiao.repository.manager import ModelManager
@@ -159,6 +166,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     served = _llm(request, body)
     check_request_fields(body, state.settings)
     prompt_ids = _render_chat(body, served.engine.tokenizer)
+    parsing = _tool_parsing(body, state.settings, served.engine.tokenizer)
+    if parsing is not None and parsing.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})
     k = (body.top_logprobs or 0) if body.logprobs else None
     job = _start(request, served.engine, body, [prompt_ids], k, "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now()
@@ -183,30 +193,99 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             }
             for i in range(body.n)
         ]
+        parsers: dict[int, ToolCallParser] = {}  # one per choice
 
         def chunks(
             index: int, delta: CompletionOutput, lps: list[dict[int, Logprob]] | None
         ) -> list[dict]:
-            choice = {
-                "index": index,
-                "delta": {"content": delta.text} if delta.text or not delta.finish_reason else {},
-                "logprobs": chat_logprobs(delta.token_ids, lps or [], k) if k is not None else None,
-                "finish_reason": delta.finish_reason,
-            }
-            return [{**base, "choices": [choice]}]
+            lp = chat_logprobs(delta.token_ids, lps or [], k) if k is not None else None
+            reason = delta.finish_reason
+            if parsing is None:
+                deltas = [{"content": delta.text} if delta.text or not reason else {}]
+            else:
+                if index not in parsers:
+                    parsers[index] = parsing.new()
+                parser = parsers[index]
+                parsed = parser.feed(delta.text)
+                if reason is not None:
+                    parsed += parser.finish()
+                    reason = _finish_reason(reason, parser.num_calls)
+                deltas = _stream_deltas(parsed) or ([{}] if reason or lp is not None else [])
+            return [
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": d,
+                            "logprobs": lp if i == 0 else None,
+                            "finish_reason": reason if i == len(deltas) - 1 else None,
+                        }
+                    ],
+                }
+                for i, d in enumerate(deltas)
+            ]
 
         return _sse(job, chunks, base, body, first)
     samples = await collect(job, request)
-    choices = [
-        {
-            "index": s.index,
-            "message": {"role": "assistant", "content": s.text},
-            "logprobs": chat_logprobs(s.token_ids, s.logprobs, k) if k is not None else None,
-            "finish_reason": s.finish_reason,
-        }
-        for s in samples
-    ]
+    choices = []
+    for s in samples:
+        message, reason = _chat_message(s.text, s.finish_reason, parsing)
+        lp = chat_logprobs(s.token_ids, s.logprobs, k) if k is not None else None
+        choices.append(
+            {"index": s.index, "message": message, "logprobs": lp, "finish_reason": reason}
+        )
     return {**base, "object": "chat.completion", "choices": choices, "usage": usage(job, samples)}
+
+
+def _tool_parsing(body: ChatCompletionRequest, settings: Any, tokenizer: Any) -> ToolParsing | None:
+    """How this request's outputs are parsed for tool calls; None: not at all. With
+    `tool_choice: "none"` the tools still reach the template (as vLLM does), but no output is
+    parsed. `required` and a named function parse as `auto` until the output is constrained to
+    `tool_call_schema`: an output without a call is then content, finish_reason "stop"."""
+    if not body.tools or body.effective_tool_choice == "none":
+        return None
+    return tool_parsing(
+        settings.tool_call_parser,
+        tokenizer,
+        parallel_tool_calls=body.parallel_tool_calls,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
+def _chat_message(
+    text: str, reason: str | None, parsing: ToolParsing | None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a whole output, and its finish_reason."""
+    if parsing is None:
+        return {"role": "assistant", "content": text}, reason
+    parser = parsing.new()
+    parsed = parser.parse(text)
+    if not parsed.calls:
+        return {"role": "assistant", "content": parsed.content}, reason
+    message = {
+        "role": "assistant",
+        "content": parsed.content or None,
+        "tool_calls": [call.to_openai() for call in parsed.calls],
+    }
+    return message, _finish_reason(reason, parser.num_calls)
+
+
+def _stream_deltas(parsed: ParsedText) -> list[dict[str, Any]]:
+    """Chunk deltas for parsed output, as OpenAI streams them: content, then per call a delta
+    with its index, id, type, name and empty arguments, then one with the arguments."""
+    deltas: list[dict[str, Any]] = [{"content": parsed.content}] if parsed.content else []
+    for call in parsed.calls:
+        head = call.to_openai()
+        head["function"]["arguments"] = ""
+        deltas.append({"tool_calls": [{"index": call.index, **head}]})
+        args = {"index": call.index, "function": {"arguments": call.arguments}}
+        deltas.append({"tool_calls": [args]})
+    return deltas
 
 
 def _completion_prompts(body: CompletionRequest, state: Any, engine: Any) -> list[list[int]]:
@@ -224,13 +303,15 @@ def _completion_prompts(body: CompletionRequest, state: Any, engine: Any) -> lis
 
 
 def _render_chat(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
+    # Tools go to the template whole ({"type": "function", "function": {...}}), as transformers
+    # hands them over; a template without tool support ignores them.
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            template_messages(body.messages),
+            tools=tools or None,
+            add_generation_prompt=body.add_generation_prompt,
+            tokenize=False,
         )
     except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)
         raise APIError(

@@ -138,6 +138,14 @@ class ServeSettings(BaseSettings):
         None, ge=0, le=65535, description="serve KServe v2 over gRPC on this port (default: off)"
     )
 
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "none"] = Field(
+        "auto",
+        description="how tool calls are read from chat output when a request has tools: hermes "
+        "(<tool_call> JSON: Qwen2.5, Qwen3), llama3_json (Llama 3.x JSON), mistral "
+        "([TOOL_CALLS]), none (output stays content); auto: the family the chat template "
+        "writes, else none",
+    )
+
     # --- network and security ----------------------------------------------------------------
     host: str = Field("127.0.0.1", description="bind address (non-loopback needs an API key)")
     port: int = Field(8000, ge=0, le=65535, description="bind port (0 = any free port)")
