@@ -56,3 +56,9 @@ def engine_hook() -> str | None:
     """QIAO_ENGINE_HOOK=module:function: an engine process calls `function(engine)` once its
     `LLMEngine` is built, before it serves (fault injection in tests, tracing). Unset: nothing."""
     return os.environ.get("QIAO_ENGINE_HOOK") or None
+
+
+def encoder_hook() -> str | None:
+    """QIAO_ENCODER_HOOK=module:function: an encoder process calls `function(encoder)` once its
+    `Encoder` is loaded, before it serves (fault injection in tests, tracing). Unset: nothing."""
+    return os.environ.get("QIAO_ENCODER_HOOK") or None

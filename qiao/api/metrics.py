@@ -165,24 +165,23 @@ class ServerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
-        r.register(_EngineCollector(llm_versions))
+        # The latest batch observer of each encoder version (model, version).
+        self._batch_observers: dict[tuple[str, str], BatchObserver] = {}
+        r.register(_EngineCollector(llm_versions, self._encoder_stats))
         self._last_token_time: dict[str, float] = {}
 
-    def batch_observer(self, model: str, version: str) -> Callable[[BatchStats], None]:
+    def batch_observer(self, model: str, version: str) -> BatchObserver:
         """An `on_batch` callback for one encoder version's batcher."""
-        size = self.batch_size.labels(model, version)
-        requests = self.infer_requests.labels(model, version)
-        queue = self.batch_queue_time.labels(model, version)
-        exec_time = self.batch_exec_time.labels(model, version)
+        observer = BatchObserver(self, model, version)
+        self._batch_observers[(model, version)] = observer
+        return observer
 
-        def observe(stats: BatchStats) -> None:
-            size.observe(stats.rows)
-            requests.inc(stats.requests)
-            for waited in stats.queue_times_s:
-                queue.observe(waited)
-            exec_time.observe(stats.exec_time_s)
-
-        return observe
+    def _encoder_stats(self) -> list[tuple[str, str, dict[str, Any]]]:
+        return [
+            (model, version, observer.engine())
+            for (model, version), observer in list(self._batch_observers.items())
+            if observer.engine is not None
+        ]
 
     def output_observer(
         self, model: str, version: str
@@ -226,11 +225,41 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _EngineCollector(Collector):
-    """Gauges and engine counters read from each LLM version's latest stats at scrape time."""
+class BatchObserver:
+    """The `on_batch` callback of one encoder version's batcher: batch sizes, queue and execution
+    times. The version hands it its engine figures too (`watch_engine`: up, restarts, breaker),
+    exported at scrape time under the names an LLM version's have."""
 
-    def __init__(self, llm_versions: Callable[[], list[Any]]) -> None:
+    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+        self._size = metrics.batch_size.labels(model, version)
+        self._requests = metrics.infer_requests.labels(model, version)
+        self._queue = metrics.batch_queue_time.labels(model, version)
+        self._exec_time = metrics.batch_exec_time.labels(model, version)
+        self.engine: Callable[[], dict[str, Any]] | None = None
+
+    def __call__(self, stats: BatchStats) -> None:
+        self._size.observe(stats.rows)
+        self._requests.inc(stats.requests)
+        for waited in stats.queue_times_s:
+            self._queue.observe(waited)
+        self._exec_time.observe(stats.exec_time_s)
+
+    def watch_engine(self, stats: Callable[[], dict[str, Any]] | None) -> None:
+        """Export `stats()` from now on (None: no longer; the version stopped)."""
+        self.engine = stats
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine counters read from each version's latest stats at scrape time: every
+    LLM version's, and the supervision figures of each encoder version."""
+
+    def __init__(
+        self,
+        llm_versions: Callable[[], list[Any]],
+        encoder_stats: Callable[[], list[tuple[str, str, dict[str, Any]]]],
+    ) -> None:
         self.llm_versions = llm_versions
+        self.encoder_stats = encoder_stats
 
     def collect(self) -> Iterable[Any]:
         names = ["model_name", "version"]
@@ -290,40 +319,48 @@ class _EngineCollector(Collector):
                 s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
             )
             add(C, "qiao:engine_steps", "Engine steps run.", label, s["num_steps"])
-            add(
-                G,
-                "qiao:engine_up",
-                "1 while the engine runs, 0 while it restarts.",
-                label,
-                s.get("engine_up", 1),
-            )
-            if "resident_bytes" in s:
-                add(
-                    G,
-                    "qiao:engine_resident_memory_bytes",
-                    "Resident memory of the version's engine process.",
-                    label,
-                    s["resident_bytes"],
-                )
-            add(
-                G,
-                "qiao:circuit_breaker_state",
-                "The version's circuit breaker: 0 closed, 1 open, 2 half-open.",
-                label,
-                s.get("breaker_state", 0),
-            )
-            add(
-                C,
-                "qiao:circuit_breaker_opened",
-                "Times the version's circuit breaker opened.",
-                label,
-                s.get("breaker_opened", 0),
-            )
-            add(
-                C,
-                "qiao:engine_restarts",
-                "Engine process restarts (exits, kills, stalls).",
-                label,
-                s.get("engine_restarts", 0),
-            )
+            _add_supervision(add, label, s)
+        for model, version, s in self.encoder_stats():
+            _add_supervision(add, [model, version], s)
         yield from families.values()
+
+
+def _add_supervision(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:
+    """The series every version has: its engine process (up, restarts, memory) and its breaker."""
+    G, C = GaugeMetricFamily, CounterMetricFamily
+    add(
+        G,
+        "qiao:engine_up",
+        "1 while the engine runs, 0 while it restarts.",
+        label,
+        s.get("engine_up", 1),
+    )
+    if "resident_bytes" in s:
+        add(
+            G,
+            "qiao:engine_resident_memory_bytes",
+            "Resident memory of the version's engine process.",
+            label,
+            s["resident_bytes"],
+        )
+    add(
+        G,
+        "qiao:circuit_breaker_state",
+        "The version's circuit breaker: 0 closed, 1 open, 2 half-open.",
+        label,
+        s.get("breaker_state", 0),
+    )
+    add(
+        C,
+        "qiao:circuit_breaker_opened",
+        "Times the version's circuit breaker opened.",
+        label,
+        s.get("breaker_opened", 0),
+    )
+    add(
+        C,
+        "qiao:engine_restarts",
+        "Engine process restarts (exits, kills, stalls).",
+        label,
+        s.get("engine_restarts", 0),
+    )

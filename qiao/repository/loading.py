@@ -13,13 +13,14 @@ from qiao.config import EngineConfig
 from qiao.engine.async_engine import AdmissionLimits, AsyncEngine, EngineClient
 from qiao.engine.batcher import BatcherConfig
 from qiao.engine.breaker import BreakerConfig
+from qiao.engine.encoder_process import EncoderSpec, ProcessEncoder
 from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import ConfigError
 from qiao.repository.manager import Served
 from qiao.repository.scan import ModelEntry, VersionDir
 from qiao.repository.served import EncoderVersion, LLMVersion
-from qiao.runner.encoder import load_encoder
+from qiao.runner.encoder import Encoder
 
 
 class VersionBuilder:
@@ -31,8 +32,8 @@ class VersionBuilder:
         in_process_engine: bool = False,
         log_level: str = "INFO",
     ) -> None:
-        """LLM versions run in their own supervised engine process, unless `in_process_engine`
-        (a thread of this process)."""
+        """Versions run in their own supervised process (an LLM's engine, an encoder), unless
+        `in_process_engine` (an LLM engine's thread, an encoder in its batcher's thread)."""
         self.limits = limits
         self.seed = seed
         self.in_process_engine = in_process_engine
@@ -60,22 +61,31 @@ class VersionBuilder:
             raise ConfigError(f"version {vdir.version}: backend onnx needs a .onnx file")
         if config.backend == "embedding" and vdir.kind != "hf":
             raise ConfigError(f"version {vdir.version}: backend embedding needs an HF checkpoint")
+        batching = BatcherConfig(**config.batcher_values())
         device = config.hardware.device_spec
-        encoder = load_encoder(
-            vdir.path,
+        spec = EncoderSpec(
+            str(vdir.path),
             config.backend,
             precision="FP32" if config.precision_mode == "AUTO" else config.precision_mode,
             device="cpu" if device == "auto" else device,
+            max_length=config.max_sequence_length,
         )
-        if config.max_sequence_length is not None:
-            encoder.max_length = min(encoder.max_length, config.max_sequence_length)
+        encoder = self.encoder(spec, name=f"{entry.name}/{vdir.version}")
         return EncoderVersion(
             entry.name,
             vdir.version,
             encoder,
-            BatcherConfig(**config.batcher_values()),
+            batching,
             backend=config.backend,
             breaker=self.breaker_config(entry),
+        )
+
+    def encoder(self, spec: EncoderSpec, *, name: str) -> Encoder:
+        """The encoder of `spec`: in its own supervised process, or loaded here."""
+        if self.in_process_engine:
+            return spec.load()
+        return ProcessEncoder.build(
+            spec, name=name, stall_timeout=self.limits.stall_timeout, log_level=self.log_level
         )
 
     def _engine(self, entry: ModelEntry, vdir: VersionDir) -> EngineClient:

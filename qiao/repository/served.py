@@ -2,8 +2,9 @@
 
 - `LLMVersion`: an `EngineClient` (continuous batching, in its own process or a thread). OpenAI routes use its engine directly;
   KServe `infer` takes `text_input` (BYTES, one prompt per row) and optional `max_tokens`.
-- `EncoderVersion`: an encoder (PyTorch or ONNX Runtime) behind a `DynamicBatcher`. Requests
-  carry texts (or token ids); a batch is every queued request's rows run as one `embed` call,
+- `EncoderVersion`: an encoder (PyTorch or ONNX Runtime) behind a `DynamicBatcher`, in its own
+  supervised process (`ProcessEncoder`) or in the batcher's thread. Requests carry texts (or
+  token ids), tokenized here; a batch is every queued request's rows run as one `embed` call,
   and each request gets exactly its own rows back.
 
 Both count the requests they hold, so a version being unloaded can finish them first.
@@ -15,14 +16,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qiao.engine.async_engine import GenerateRequest
 from qiao.engine.batcher import BatchStats, DynamicBatcher
 from qiao.engine.breaker import BreakerConfig, CircuitBreaker
-from qiao.errors import ConfigError
+from qiao.engine.encoder_process import ProcessEncoder
+from qiao.errors import ConfigError, EngineRestartedError
 from qiao.repository.types import TensorSpec
 from qiao.sampling_params import SamplingParams
 
@@ -135,7 +137,10 @@ async def _final_text(stream: RequestStream) -> str:
 
 
 class EncoderVersion:
-    """An encoder behind a dynamic batcher. Items are token-id lists; one row per text."""
+    """An encoder behind a dynamic batcher. Items are token-id lists; one row per text.
+
+    `encoder` is a `ProcessEncoder` (the model in its own supervised process) or an encoder
+    run in the batcher's thread."""
 
     def __init__(
         self,
@@ -155,6 +160,8 @@ class EncoderVersion:
         self.backend = backend
         self.platform = "onnxruntime_onnx" if backend == "onnx" else "pytorch_libtorch"
         self.encoder = encoder
+        self._process = encoder if isinstance(encoder, ProcessEncoder) else None
+        self._unwatch: Callable[[Callable[[], dict[str, Any]] | None], None] | None = None
         self.inputs = (TensorSpec("text", "BYTES", (-1,)),)
         self.outputs = (TensorSpec("embedding", "FP32", (-1, encoder.dim)),)
         self.batcher: DynamicBatcher[list[list[int]], np.ndarray] = DynamicBatcher(
@@ -169,6 +176,8 @@ class EncoderVersion:
         flat = [ids for item in items for ids in item]
         try:
             vectors = self.encoder.embed(flat)
+        except EngineRestartedError:
+            raise  # the supervisor records one failure per death, not one per batch it took
         except Exception:
             self.breaker.record_failure()
             raise
@@ -178,15 +187,47 @@ class EncoderVersion:
 
     def start(self) -> None:
         self.batcher.start()
+        if self._process is not None:
+            self._process.start(on_lost=self.breaker.record_failure)
+        # The app hooks its metrics into the batcher (`on_batch`) as the version becomes ready,
+        # in this same turn of the event loop; hand them the engine figures right after.
+        asyncio.get_running_loop().call_soon(self._share_stats)
 
     async def stop(self) -> None:
         await self.batcher.close(drain=True)
+        if self._unwatch is not None:
+            self._unwatch(None)
+        if self._process is not None:
+            await asyncio.to_thread(self._process.shutdown)
+
+    def _share_stats(self) -> None:
+        """Hand `stats` to the metrics' batch observer, when the app gave the batcher one: it
+        exports them at scrape time, as an LLM version's (until `stop` takes them back)."""
+        watch = getattr(self.batcher.on_batch, "watch_engine", None)
+        if watch is not None:
+            watch(self.stats)
+            self._unwatch = watch
 
     def num_unfinished(self) -> int:
         return self.batcher.queue_size + self.batcher.in_flight
 
     def is_healthy(self) -> tuple[bool, str]:
+        if self._process is not None:
+            return self._process.health()
         return True, "ok"
+
+    def stats(self) -> dict[str, Any]:
+        """Engine figures as an LLM version's: up, restarts, breaker (and the process's RSS)."""
+        engine = (
+            self._process.stats()
+            if self._process is not None
+            else {"engine_up": 1, "engine_restarts": 0}
+        )
+        return {
+            **engine,
+            "breaker_state": int(self.breaker.state),
+            "breaker_opened": self.breaker.num_opened,
+        }
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return self.encoder.tokenize(texts)
@@ -202,6 +243,8 @@ class EncoderVersion:
         if not token_ids:
             raise ConfigError("input must hold at least one text")
         self.breaker.allow()
+        if self._process is not None:
+            self._process.check_up()  # 503 at once while it restarts; nothing queues
         for ids in token_ids:
             if len(ids) > self.encoder.max_length:
                 raise ConfigError(

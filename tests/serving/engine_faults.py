@@ -42,3 +42,27 @@ def faults(engine: Any) -> None:
         return execute(scheduler_output)
 
     engine.runner.execute = faulty
+
+
+# Encoder processes (QIAO_ENCODER_HOOK): each function gets the loaded `Encoder` and wraps its
+# `embed`. The marks are ids of the tests' tiny BERT vocabulary ([UNK], [MASK]) that no text
+# starts with (a text's first token is [CLS]).
+ENCODER_SLOW = 1
+ENCODER_HANG = 4
+SLOW_BATCH_S = 3.0
+
+
+def encoder_faults(encoder: Any) -> None:
+    """A batch with a row starting with ENCODER_HANG never returns; one with a row starting with
+    ENCODER_SLOW takes SLOW_BATCH_S longer."""
+    embed = encoder.embed
+
+    def faulty(token_ids: Any) -> Any:
+        firsts = {row[0] for row in token_ids}
+        if ENCODER_HANG in firsts:
+            time.sleep(3600)
+        if ENCODER_SLOW in firsts:
+            time.sleep(SLOW_BATCH_S)
+        return embed(token_ids)
+
+    encoder.embed = faulty
