@@ -146,7 +146,8 @@ def build_tokenizer() -> Any:
 
 
 def instance_tokens(tokenizer: Any, instance: Any) -> list[int]:
-    return tokenizer.encode(json.dumps(instance), add_special_tokens=False) + [
+    text = json.dumps(instance, separators=(",", ":"))  # compact, as the grammars are
+    return tokenizer.encode(text, add_special_tokens=False) + [
         tokenizer.eos_token_id
     ]
 
@@ -214,7 +215,9 @@ class XGrammar:
 
     def compile(self, schema: dict[str, Any]) -> Any:
         compiler = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        return compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)

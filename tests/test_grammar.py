@@ -13,28 +13,36 @@ import torch
 
 from qiao import LLM, SamplingParams
 from qiao.errors import ConfigError
-from qiao.runner.grammar import apply_token_bitmask
+from qiao.runner.grammar import REFUSED_LOGIT, apply_token_bitmask
 
 SCHEMA = {
     "type": "object",
-    "properties": {"pet": {"enum": ["dog", "cat"]}, "age": {"type": "integer", "minimum": 0, "maximum": 20}},
+    "properties": {
+        "pet": {"enum": ["dog", "cat"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 20},
+    },
     "required": ["pet", "age"],
     "additionalProperties": False,
 }
 
 
 def test_apply_token_bitmask_matches_a_plain_loop() -> None:
+    """Refused logits land at about -1e30 (float32: x + -1e30 rounds to -1e30)."""
     generator = torch.Generator().manual_seed(0)
     vocab = 70  # not a multiple of 32: the last word is partly padding
     logits = torch.randn(4, vocab, generator=generator)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int32, generator=generator)
+    original = logits.clone()
     expected = logits.clone()
     for j, row in enumerate((1, 3)):
         for token in range(vocab):
             if not (int(bitmask[j, token // 32]) >> (token % 32)) & 1:
-                expected[row, token] = float("-inf")
+                expected[row, token] = REFUSED_LOGIT
     apply_token_bitmask(logits, bitmask, [1, 3])
     assert torch.equal(logits, expected)
+    every = original[[1, 3]].clone()  # all rows, in order
+    apply_token_bitmask(every, bitmask)
+    assert torch.equal(every, expected[[1, 3]])
 
 
 @pytest.fixture(scope="module")

@@ -419,8 +419,9 @@ def _advance_grammar(request: Request) -> None:
     `ignore_eos` going on) constrains nothing more; a token it refuses (one the sampler had to
     pick past the mask: `min_tokens` over a finished grammar) ends the constraint, logged."""
     matcher = request.grammar
-    accepted = matcher.consume_token(request.output_token_ids[-1])
-    if accepted and matcher.is_stopped():
+    token = request.output_token_ids[-1]
+    accepted = matcher.consume_token(token)
+    if accepted and matcher.is_stopped() and token in request.eos_token_ids:
         request.grammar = None
         return
     if not accepted or matcher.is_error():

@@ -20,6 +20,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from qiao.errors import ConfigError
@@ -120,22 +121,28 @@ class MaskFiller:
         return bitmask
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# What a refused token's logit drops by: far below any real logit, yet finite, so a logprob that
+# reports a refused token (top-k wider than what the grammar allows) stays valid JSON. Adding it
+# is branch-free: masked_fill with a grammar's scattered bits ran ~10x slower on 64 x 49k.
+REFUSED_LOGIT = -1e30
 
 
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
 ) -> None:
-    """Set the logits of tokens a bitmask disallows to -inf, in place: bitmask row j masks
-    logits row `rows[j]` (all rows in order when `rows` is None)."""
+    """Push the logits of tokens a bitmask disallows down by 1e30 (to about -1e30), in place:
+    bitmask row j masks logits row `rows[j]` (all rows in order when `rows` is None).
+
+    The bits are unpacked by numpy on the host (the int32 words read as little-endian bytes,
+    bit order little, give token order), inverted so a 1 means "refused"."""
     vocab = logits.shape[-1]
-    allowed = (bitmask.to(logits.device).unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1
-    allowed = allowed.view(bitmask.shape[0], -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: padding ids never allowed
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
-        allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
+    words = bitmask.numpy() if bitmask.device.type == "cpu" else bitmask.cpu().numpy()
+    refused = np.unpackbits(~words.view(np.uint8), axis=1, bitorder="little")
+    if refused.shape[1] < vocab:  # logits wider than the tokenizer: padding ids never allowed
+        refused = np.pad(refused, ((0, 0), (0, vocab - refused.shape[1])), constant_values=1)
+    mask = torch.from_numpy(np.ascontiguousarray(refused[:, :vocab])).to(logits.device)
     if rows is None:
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.add_(mask, alpha=REFUSED_LOGIT)
     else:
         index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        logits.index_add_(0, index, mask.to(logits.dtype), alpha=REFUSED_LOGIT)
