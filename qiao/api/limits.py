@@ -40,6 +40,7 @@ def check_request_fields(
             )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    _check_prompt_logprobs(req, settings)
     if (
         req.timeout is not None
         and settings.max_timeout is not None
@@ -63,12 +64,33 @@ def _check_completion_fields(req: CompletionRequest, settings: ServeSettings) ->
             f"logprobs: at most {settings.max_top_logprobs}, got {req.logprobs}",
             param="logprobs",
         )
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            400, "max_tokens: 0 needs echo: true (scoring the prompt alone)", param="max_tokens"
+        )
+    if req.echo and req.stream:
+        raise APIError(400, "echo: not supported with stream: true", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
+
+
+def _check_prompt_logprobs(
+    req: CompletionRequest | ChatCompletionRequest, settings: ServeSettings
+) -> None:
+    if req.prompt_logprobs is None:
+        return
+    if req.prompt_logprobs > settings.max_top_logprobs:
+        raise APIError(
+            400,
+            f"prompt_logprobs: at most {settings.max_top_logprobs}, got {req.prompt_logprobs}",
+            param="prompt_logprobs",
+        )
+    if req.stream:
+        raise APIError(
+            400, "prompt_logprobs: not supported with stream: true", param="prompt_logprobs"
+        )
 
 
 def _check_chat_fields(req: ChatCompletionRequest, settings: ServeSettings) -> None:
@@ -169,6 +191,15 @@ def resolve_max_tokens(
     return requested
 
 
+def prompt_logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Top-k of the prompt logprobs to compute: vLLM's `prompt_logprobs`, and `echo` with
+    `logprobs` (the echoed prompt's tokens get logprobs too)."""
+    asked = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        asked = max(asked or 0, req.logprobs)
+    return asked
+
+
 def to_sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
 ) -> SamplingParams:
@@ -192,6 +223,7 @@ def to_sampling_params(
             logprobs=num_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=structured_outputs_of(req),
+            prompt_logprobs=prompt_logprobs_of(req),
         )
     except ConfigError as exc:
         raise as_api_error(exc) from None

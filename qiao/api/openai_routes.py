@@ -29,7 +29,9 @@ from qiao.api.serving import (
     chat_logprobs,
     collect,
     completion_logprobs,
+    echo_logprobs,
     now,
+    prompt_logprobs_json,
     stream_events,
     usage,
 )
@@ -148,16 +150,38 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 
         return _sse(job, chunks, base, body)
     samples = await collect(job, request)
-    choices = [
-        {
-            "index": s.index,
-            "text": s.text,
-            "logprobs": completion_logprobs(s.token_ids, s.logprobs, k) if k is not None else None,
-            "finish_reason": s.finish_reason,
-        }
-        for s in samples
-    ]
+    tokenizer = served.engine.tokenizer
+    choices = []
+    for s in samples:
+        prompt_index = s.index // body.n
+        prompt = prompts[prompt_index]
+        if body.max_tokens == 0:  # the prompt scored alone: the one token it ran for is dropped
+            s.text, s.token_ids, s.logprobs, s.finish_reason = "", [], [], "length"
+        choice: dict[str, Any] = {"index": s.index, "text": s.text, "logprobs": None}
+        if body.echo:
+            echoed = _prompt_text(body, prompt_index, prompt, tokenizer)
+            choice["text"] = echoed + s.text
+            if k is not None:
+                first = tokenizer.decode(prompt[:1]) if tokenizer is not None else ""
+                choice["logprobs"] = echo_logprobs(
+                    prompt, job.prompt_logprobs[prompt_index], first, s.token_ids, s.logprobs, k
+                )
+        elif k is not None:
+            choice["logprobs"] = completion_logprobs(s.token_ids, s.logprobs, k)
+        choice["finish_reason"] = s.finish_reason
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(job.prompt_logprobs.get(prompt_index))
+        choices.append(choice)
     return {**base, "choices": choices, "usage": usage(job, samples)}
+
+
+def _prompt_text(body: CompletionRequest, index: int, prompt: list[int], tokenizer: Any) -> str:
+    """The prompt as echoed: its text as sent, or its token ids decoded."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+        return str(body.prompt[index])
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -235,7 +259,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         choices.append(
             {"index": s.index, "message": message, "logprobs": lp, "finish_reason": reason}
         )
-    return {**base, "object": "chat.completion", "choices": choices, "usage": usage(job, samples)}
+    response = {**base, "object": "chat.completion", "choices": choices}
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(job.prompt_logprobs.get(0))
+    return {**response, "usage": usage(job, samples)}
 
 
 def _tool_parsing(body: ChatCompletionRequest, settings: Any, tokenizer: Any) -> ToolParsing | None:
@@ -333,6 +360,8 @@ def _start(
     state = request.app.state
     settings = state.settings
     requested = body.max_tokens
+    if requested == 0:  # echo scoring the prompt alone: run one token, answer none
+        requested = 1
     param = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"

@@ -58,11 +58,13 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: logprobs of the prompt tokens (top-k per position), returned as `prompt_logprobs`.
+    prompt_logprobs: int | None = Field(None, ge=0)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt alone
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None

@@ -47,6 +47,8 @@ class Job:
     deadline: float | None = None  # time.monotonic() at which the request times out
     # Charges the tokens of the answer (prompt + completion) to the API key, when keys are used.
     charge: Callable[[int], None] | None = None
+    # Prompt index -> its prompt logprobs (SamplingParams.prompt_logprobs), once they arrive.
+    prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -104,6 +106,8 @@ async def merged(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 def fold(samples: dict[int, Sample], job: Job, prompt_index: int, output: RequestOutput) -> None:
+    if output.prompt_logprobs is not None:
+        job.prompt_logprobs[prompt_index] = output.prompt_logprobs
     for delta in output.outputs:
         index = job.choice_index(prompt_index, delta.index)
         sample = samples.setdefault(index, Sample(index))
@@ -298,6 +302,53 @@ def completion_logprobs(
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int],
+    prompt_entries: list[dict[int, Logprob] | None],
+    first_text: str,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob]],
+    k: int,
+) -> dict[str, Any]:
+    """`completion_logprobs` of an echoed prompt and its completion: the prompt's first token
+    (nothing predicts it) has null logprobs, as OpenAI's legacy API gives."""
+    tokens, token_logprobs, top, offsets = [first_text], [None], [None], [0]
+    offset = len(first_text)
+    for token_id, entry in zip(prompt_ids[1:], prompt_entries[1:], strict=True):
+        assert entry is not None
+        chosen = entry[token_id]
+        text = _token_text(chosen, token_id)
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top.append({_token_text(lp, tid): lp.logprob for tid, lp in _top(entry, k)})
+        offsets.append(offset)
+        offset += len(text)
+    rest = completion_logprobs(token_ids, entries, k, text_start=offset)
+    return {
+        "tokens": tokens + rest["tokens"],
+        "token_logprobs": token_logprobs + rest["token_logprobs"],
+        "top_logprobs": top + rest["top_logprobs"],
+        "text_offset": offsets + rest["text_offset"],
+    }
+
+
+def prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null or {token id: logprob, rank, text}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(
