@@ -24,12 +24,24 @@
   same thing, so a row's result does not depend on how many rows share the matmul:
   activations rounded to bfloat16, products summed in float32, the sum rounded to bfloat16,
   then scaled in float32.
+
+Row buckets: oneDNN (the prepacked matmul, and `F.linear` in bfloat16 on the CPU) builds and
+caches a primitive for every distinct (rows, weight shape) it is called with, about 0.6-1.4 MiB
+each, held by two LRU caches of 1024 entries (oneDNN's primitive cache and ideep's), and glibc
+keeps the heap of evicted ones. A step's row count is the number of tokens it schedules, any
+value up to `max_num_batched_tokens`, so serving varied traffic grew the engine by ~2.7 MiB per
+new row count on the demo model, to ~1.4 GiB more before it levelled off (see the soak section
+of docs/operations.md). These paths therefore pad the rows up to `row_bucket(rows)`: every count
+up to 16, then 8 sizes per doubling (at most 12.5% padding; 72 sizes up to 2048), which bounds
+the primitives to a few hundred that are built once and stay cached. Padding rows are zeros and
+sliced off; a row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -44,9 +56,39 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Row buckets (see the module docstring): exact up to 2 * _BUCKETS_PER_OCTAVE rows, then this
+# many evenly spaced sizes per doubling. A test switch: False passes every row count through.
+ROW_BUCKETS = True
+_BUCKETS_PER_OCTAVE = 8
+_OCTAVE_SHIFT = _BUCKETS_PER_OCTAVE.bit_length()  # log2(_BUCKETS_PER_OCTAVE) + 1
+
 # Rows per matmul up to which the int8 kernel beats convert-then-bfloat16-matmul (measured on a
 # 2-core AVX-512 machine at 135M and 0.5B decode shapes: the kernel wins through 8 rows).
 INT8_KERNEL_MAX_ROWS = 8
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a oneDNN matmul of `rows` rows runs at: `rows` itself up to 16, then the
+    next multiple of 1/8 of the power of two below it (17 -> 18, 33 -> 36, 65 -> 72,
+    1025 -> 1152; powers of two stay)."""
+    if rows <= 2 * _BUCKETS_PER_OCTAVE:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - _OCTAVE_SHIFT)
+    return -(-rows // step) * step
+
+
+def bucketed_matmul(
+    matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    """`matmul(x)` for x [..., K], run on rows padded with zeros to `row_bucket(rows)` and
+    sliced back, so the matmul only ever sees a bounded set of row counts."""
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    bucket = row_bucket(rows) if ROW_BUCKETS else rows
+    if bucket == rows:
+        return matmul(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = matmul(F.pad(flat, (0, 0, 0, bucket - rows)))[:rows]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class LinearMethod:
@@ -58,6 +100,9 @@ class LinearMethod:
         pass
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            # The CPU's bfloat16 F.linear is a oneDNN matmul too (see row_bucket).
+            return bucketed_matmul(lambda rows: F.linear(rows, layer.weight, layer.bias), x)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -75,7 +120,12 @@ class OneDnnMethod(LinearMethod):
         _replace_weight(layer, packed)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        return bucketed_matmul(
+            lambda rows: torch.ops.mkldnn._linear_pointwise(
+                rows, layer.weight, layer.bias, "none", [], ""
+            ),
+            x,
+        )
 
 
 class PackedF32Method(LinearMethod):
@@ -120,7 +170,12 @@ class Int8Method(LinearMethod):
             bias = layer.bias.float() if layer.bias is not None else _EMPTY
             out = ops.int8_linear(rows.float(), layer.weight, layer.weight_scale, bias)
         elif layer.weight_bf16 is not None:
-            out = torch.ops.mkldnn._linear_pointwise(rows, layer.weight_bf16, None, "none", [], "")
+            out = bucketed_matmul(
+                lambda r: torch.ops.mkldnn._linear_pointwise(
+                    r, layer.weight_bf16, None, "none", [], ""
+                ),
+                rows,
+            )
             out = out.float().mul_(layer.weight_scale)
             if layer.bias is not None:
                 out.add_(layer.bias.float())
