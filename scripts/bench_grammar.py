@@ -147,9 +147,7 @@ def build_tokenizer() -> Any:
 
 def instance_tokens(tokenizer: Any, instance: Any) -> list[int]:
     text = json.dumps(instance, separators=(",", ":"))  # compact, as the grammars are
-    return tokenizer.encode(text, add_special_tokens=False) + [
-        tokenizer.eos_token_id
-    ]
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
 def median_ms(values: list[float]) -> float:
