@@ -20,6 +20,7 @@ from qiao.errors import ConfigError
 from qiao.kernels import cpu_ops
 from qiao.layers.linear import LinearBase
 from qiao.layers.linear_method import (
+    DenseMethod,
     Int8Method,
     OneDnnMethod,
     PackedF32Method,
@@ -136,12 +137,54 @@ def test_cpu_linear_method_choice(monkeypatch):
     if expected is OneDnnMethod and not onednn_linear_available():
         pytest.skip("neither the packed kernel nor oneDNN here")
     assert type(choose_method(w32, quantization=None, batch_hint=64)) is expected
+    bf16 = choose_method(w32.bfloat16(), quantization=None, batch_hint=64)
+    assert type(bf16) is (OneDnnMethod if onednn_linear_available(torch.bfloat16) else DenseMethod)
     if onednn_linear_available():
-        bf16 = choose_method(w32.bfloat16(), quantization=None, batch_hint=64)
-        assert type(bf16) is OneDnnMethod
         monkeypatch.setenv("QIAO_DISABLE_PACKED_LINEAR", "1")
         assert type(choose_method(w32, quantization=None, batch_hint=64)) is OneDnnMethod
     assert type(choose_method(w32, quantization="int8", batch_hint=64)) is Int8Method
+
+
+@pytest.fixture
+def cpu_without_onednn_bfloat16(monkeypatch):
+    """This CPU as an AVX2-only one looks to torch: oneDNN refuses to prepack bfloat16 (float32
+    still prepacks). CI has run on such machines."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def refuse_bfloat16(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(
+                "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert "
+                "or avx512bw, avx512vl and avx512dq"
+            )
+        return reorder(weight, batch_hint)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_bfloat16)
+    onednn_linear_available.cache_clear()
+    yield
+    onednn_linear_available.cache_clear()
+
+
+def test_bfloat16_and_int8_fall_back_where_onednn_has_no_bfloat16(
+    cpu_without_onednn_bfloat16, tiny_checkpoint
+):
+    assert not onednn_linear_available(torch.bfloat16)
+    w = torch.randn(16, 8)
+    assert type(choose_method(w.bfloat16(), quantization=None, batch_hint=64)) is DenseMethod
+    layer = _layer(96, 80, bias=True)
+    dense = layer.weight.detach().clone()
+    layer.method = choose_method(dense, quantization="int8", batch_hint=64)
+    layer.method.prepare(layer)
+    assert layer.weight_bf16 is None  # no prepacked copy: converted per call
+    x = torch.randn(20, 80)  # past the kernel's rows: the bfloat16 matmul path
+    q, scale = quantize_int8(dense)
+    expected = int8_linear_reference(x.bfloat16(), q, scale, layer.bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    # A bfloat16 model loads and generates on such a CPU.
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", profile=None)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @needs_packed

@@ -25,6 +25,10 @@ from qiao.layers.linear_method import (
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_available(), reason="this torch has no oneDNN linear"
 )
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_linear_available(torch.bfloat16),
+    reason="oneDNN's bfloat16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT on this CPU",
+)
 DEMO_DIR = Path(qiao.__file__).parent / "demo_model"
 
 
@@ -80,7 +84,9 @@ ROWS = [0, 1, 16, 17, 33, 100, 300]
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.bfloat16, marks=needs_onednn_bf16), torch.float32]
+)
 def test_onednn_method_runs_bucketed_rows_and_returns_the_same_result(monkeypatch, dtype):
     layer = _layer(96, 80, bias=True, dtype=dtype)
     dense = layer.weight.detach().clone()
@@ -108,7 +114,7 @@ def test_onednn_method_runs_bucketed_rows_and_returns_the_same_result(monkeypatc
     torch.testing.assert_close(out3, layer(x3.reshape(34, 80)).reshape(2, 17, 96))
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_int8_method_buckets_its_onednn_rows(monkeypatch):
     layer = _layer(64, 48, bias=True, dtype=torch.float32)
     layer.method = Int8Method()

@@ -94,7 +94,7 @@ def impls_for(dtype: str) -> tuple[str, ...]:
     if dtype == "int8":
         return ("qiao",)
     impls = ["torch"]
-    if dtype in ("float32", "bfloat16") and onednn_linear_available():
+    if dtype in ("float32", "bfloat16") and onednn_linear_available(getattr(torch, dtype)):
         impls.append("onednn")
     if dtype == "float32" and packed_f32_ops(torch.empty(0)) is not None:
         impls.append("qiao")

@@ -13,7 +13,8 @@
   blocked layout for the expected rows per matmul (`batch_hint`). The same math as `F.linear`
   (float32 accumulation), 1.3-1.7x faster at decode shapes than MKL on the plain tensor, because
   the weight is no longer re-packed on every call. Float32 without the AVX-512 kernel, and
-  bfloat16, use it.
+  bfloat16, use it; bfloat16 only where the CPU has oneDNN's bfloat16 path (AVX-512 BW/VL/DQ or
+  AVX-NE-CONVERT: an AVX2-only CPU refuses the prepack, and bfloat16 stays on `F.linear`).
 - `Int8Method` (`quantization="int8"`): weight-only int8, symmetric per output channel
   (scale = max |w| / 127). Few rows (decode) go through a C++ kernel that reads each int8 weight
   once (bandwidth-bound: a quarter of float32's bytes). More rows are compute-bound: they
@@ -156,7 +157,7 @@ class Int8Method(LinearMethod):
         _replace_weight(layer, qweight)
         layer.register_buffer("weight_scale", scale, persistent=False)
         packed = None
-        if qweight.device.type == "cpu" and onednn_linear_available():
+        if qweight.device.type == "cpu" and onednn_linear_available(torch.bfloat16):
             packed = torch.ops.mkldnn._reorder_linear_weight(
                 qweight.to(torch.bfloat16), self.batch_hint
             )
@@ -219,7 +220,7 @@ def choose_method(
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and not envs.disable_onednn_linear()
-        and onednn_linear_available()
+        and onednn_linear_available(weight.dtype)
     )
     return OneDnnMethod(max(16, min(batch_hint, 128))) if onednn else DenseMethod()
 
@@ -235,15 +236,18 @@ def packed_f32_ops(weight: torch.Tensor) -> ModuleType | None:
 
 
 @functools.cache
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear (and it computes F.linear)."""
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU run oneDNN's prepacked linear in `dtype` (and it computes
+    F.linear). Per dtype: oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so
+    an AVX2-only CPU has it in float32 but not in bfloat16."""
     try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        w, x = torch.randn(8, 16).to(dtype), torch.randn(3, 16).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=tolerance))
     except (AttributeError, RuntimeError) as exc:
-        logger.info("oneDNN prepacked linear unavailable (%s); using F.linear", exc)
+        logger.info("oneDNN prepacked %s linear unavailable (%s); using F.linear", dtype, exc)
         return False
 
 
