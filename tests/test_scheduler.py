@@ -250,7 +250,7 @@ def test_an_out_of_memory_cap_preempts_down_to_it_then_grows_back():
         sched.add_request(request)
     step(sched)
     assert sched.num_running == 8
-    sched.cap_step_tokens(3)
+    sched.cap_step(3, 8)  # 3 tokens: 3 decodes
     out = step(sched)
     # The youngest five go back to waiting; the oldest three decode.
     assert [s.request for s in out.scheduled] == requests[:3]
@@ -265,6 +265,32 @@ def test_an_out_of_memory_cap_preempts_down_to_it_then_grows_back():
         step(sched)
     assert all(r.num_output_tokens == 200 for r in requests)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_out_of_memory_cap_limits_sequences_and_waits_longer_when_it_fails_again():
+    sched, bm = make_scheduler(num_blocks=64, max_num_seqs=8, budget=32)
+    requests = [make_request([1, 2, 3], max_tokens=150, eos=()) for _ in range(8)]
+    for request in requests:
+        sched.add_request(request)
+    step(sched)
+    sched.cap_step(32, 2)  # a part of 2 sequences ran: tokens are not what limits
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == requests[:2]
+    assert sorted(out.preempted_req_ids) == sorted(r.request_id for r in requests[2:])
+    rows = [len(step(sched).scheduled) for _ in range(CAP_GROWTH_STEPS - 1)]
+    assert max(rows) == 2  # preempted requests are not admitted past the cap
+    assert len(step(sched).scheduled) == 4  # the wait is over: the cap doubled
+    # 4 sequences run out of memory too: back to 2, and the next doubling waits twice as long.
+    sched.cap_step(32, 2)
+    rows = [len(step(sched).scheduled) for _ in range(2 * CAP_GROWTH_STEPS)]
+    assert max(rows) == 2
+    assert len(step(sched).scheduled) == 4
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(r.num_output_tokens == 150 for r in requests)
+    assert bm.num_free_blocks == bm.num_blocks
+    # Fully lifted, the wait is back to its start.
+    assert sched.step_seq_cap is None and sched._cap_growth_steps == CAP_GROWTH_STEPS
 
 
 def test_freed_blocks_are_reused_before_fresh_ones():
@@ -432,7 +458,11 @@ EVENTS = st.lists(
         ),
         st.tuples(st.just("steps"), st.integers(min_value=1, max_value=4)),
         st.tuples(st.just("abort"), st.integers(min_value=0, max_value=10**6)),
-        st.tuples(st.just("out of memory"), st.integers(min_value=1, max_value=6)),
+        st.tuples(
+            st.just("out of memory"),
+            st.integers(min_value=1, max_value=6),
+            st.integers(min_value=1, max_value=4),
+        ),
     ),
     min_size=1,
     max_size=40,
@@ -508,7 +538,7 @@ def test_tiny_pool_runs_every_request_as_it_would_alone(
         elif event[0] == "steps":
             run_steps(event[1])
         elif event[0] == "out of memory":
-            sched.cap_step_tokens(event[1])
+            sched.cap_step(event[1], event[2])
         else:
             live = [r for r in requests.values() if not r.is_finished]
             if live:

@@ -160,44 +160,53 @@ class LLMEngine:
         )
         good: list[ScheduledRequest] = []
         bad: list[tuple[ScheduledRequest, Exception]] = []
-        largest_run = 0  # tokens of the largest part that ran
+        largest_run = (0, 0)  # (tokens, sequences) of the largest part that ran
+        too_big = False  # a part ran out of memory though each of its requests ran
         merged = ModelRunnerOutput()
         rows: list[tuple[list[int], list[float]] | None] = []
         ranks: list[int] = []
 
-        def run(items: list[ScheduledRequest], known_error: Exception | None) -> None:
-            nonlocal largest_run
+        def run(items: list[ScheduledRequest], known_error: Exception | None) -> bool:
+            """Run `items` (known to fail with `known_error` if given), halving on failure;
+            True when every request in it ran."""
+            nonlocal largest_run, too_big
             if not items:
-                return
+                return True
             if known_error is None:
                 try:
                     out = self.runner.execute(_sub_step(items))
                 except Exception as exc:
                     known_error = exc
                 else:
-                    largest_run = max(largest_run, sum(len(i.token_ids) for i in items))
+                    size = (sum(len(i.token_ids) for i in items), len(items))
+                    largest_run = max(largest_run, size)
                     good.extend(items)
                     merged.prompt_logprobs.update(out.prompt_logprobs)
                     merged.req_ids += out.req_ids
                     merged.sampled_token_ids += out.sampled_token_ids
                     rows.extend(out.logprobs or [None] * len(out.req_ids))
                     ranks.extend(out.sampled_ranks or [0] * len(out.req_ids))
-                    return
+                    return True
             if len(items) == 1:
                 bad.append((items[0], known_error))
-                return
+                return False
             half = len(items) // 2
-            run(items[:half], None)
-            run(items[half:], None)
+            all_ran = run(items[:half], None) & run(items[half:], None)
+            # Out of memory, yet its parts all ran: the step was too big (and not one request
+            # too big even alone, whose failure explains the parts it was in).
+            too_big |= all_ran and _is_out_of_memory(known_error)
+            return all_ran
 
         run(scheduler_output.scheduled, error)
-        if _is_out_of_memory(error) and largest_run:
+        if too_big:
             logger.warning(
-                "a step of %d tokens ran out of memory; steps take at most %d tokens for a while",
+                "a step of %d tokens (%d requests) ran out of memory; steps take at most %d "
+                "tokens and %d requests for a while",
                 scheduler_output.num_scheduled_tokens,
-                largest_run,
+                len(scheduler_output.scheduled),
+                *largest_run,
             )
-            self.scheduler.cap_step_tokens(largest_run)
+            self.scheduler.cap_step(*largest_run)
         if any(row is not None for row in rows):
             merged.logprobs, merged.sampled_ranks = rows, ranks
         outputs = []

@@ -7,9 +7,12 @@ in policy order while sequences, tokens and KV blocks last. When a running reque
 block, the lowest-priority, youngest running request is preempted: its blocks are freed and it
 goes back to waiting, to be recomputed later (its prefix is usually still cached).
 
-After a step ran out of memory (`cap_step_tokens`), steps take at most the tokens of the largest
-part of it that ran, and running requests past that many are preempted; the cap doubles back
-after every `CAP_GROWTH_STEPS` steps that ran, until it is the configured budget again.
+After a step ran out of memory (`cap_step`), steps take at most the tokens and the sequences of
+the largest part of it that ran (a step's memory grows with both: activations with its tokens,
+logits with its sequences), and running requests past that many sequences are preempted. The
+cap doubles back after `CAP_GROWTH_STEPS` steps that ran, until it is the configured budget
+again; each out-of-memory step while a cap holds doubles that wait (up to
+`MAX_CAP_GROWTH_STEPS`), so a size that keeps failing is tried ever more rarely.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from qiao.engine.block_manager import BlockManager
 from qiao.engine.request import Request, RequestStatus
 from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
-# Steps that run under an out-of-memory cap before it doubles.
+# Steps that run under an out-of-memory cap before it doubles (the wait doubles with each
+# out-of-memory step under a cap, up to the second figure).
 CAP_GROWTH_STEPS = 32
+MAX_CAP_GROWTH_STEPS = 1024
 
 
 class Scheduler:
@@ -39,9 +44,11 @@ class Scheduler:
         self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Tokens per step after an out-of-memory step (None: the configured budget).
+        # Tokens and sequences per step after an out-of-memory step (None: as configured).
         self.step_token_cap: int | None = None
+        self.step_seq_cap: int | None = None
         self._steps_under_cap = 0
+        self._cap_growth_steps = CAP_GROWTH_STEPS
 
     @property
     def num_waiting(self) -> int:
@@ -63,19 +70,25 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
-    def cap_step_tokens(self, max_tokens: int) -> None:
-        """Steps take at most `max_tokens` tokens for a while (a larger one ran out of memory)."""
-        if max_tokens >= self.config.max_num_batched_tokens:
+    def cap_step(self, max_tokens: int, max_seqs: int) -> None:
+        """Steps take at most `max_tokens` tokens and `max_seqs` sequences for a while (a larger
+        step ran out of memory)."""
+        tokens = max(1, max_tokens) if max_tokens < self.config.max_num_batched_tokens else None
+        seqs = max(1, max_seqs) if max_seqs < self.config.max_num_seqs else None
+        if tokens is None and seqs is None:
             return
-        self.step_token_cap = max(1, max_tokens)
+        if self.step_token_cap is not None or self.step_seq_cap is not None:
+            # Out of memory again under a cap: the size it grew to fails, so wait longer.
+            self._cap_growth_steps = min(2 * self._cap_growth_steps, MAX_CAP_GROWTH_STEPS)
+        self.step_token_cap, self.step_seq_cap = tokens, seqs
         self._steps_under_cap = 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        full_budget = self._step_budget()
+        full_budget, max_seqs = self._step_budget()
         budget = full_budget
         scheduled: dict[str, ScheduledRequest] = {}
-        while len(self.running) > budget:  # under an out-of-memory cap: fewer sequences
+        while len(self.running) > min(budget, max_seqs):  # under an out-of-memory cap
             victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
             self._preempt(victim, scheduled, out)
         for request in list(self.running):
@@ -92,23 +105,32 @@ class Scheduler:
             scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, max_seqs)
         out.scheduled = list(scheduled.values())
         out.num_scheduled_tokens = full_budget - budget
         return out
 
-    def _step_budget(self) -> int:
-        budget = self.config.max_num_batched_tokens
-        if self.step_token_cap is None:
-            return budget
+    def _step_budget(self) -> tuple[int, int]:
+        """(tokens, sequences) this step may take: the configured ones, or an out-of-memory cap
+        (which doubles back after the growth wait)."""
+        budget, max_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self.step_token_cap is None and self.step_seq_cap is None:
+            return budget, max_seqs
         self._steps_under_cap += 1
-        if self._steps_under_cap > CAP_GROWTH_STEPS:
-            self.step_token_cap *= 2
+        if self._steps_under_cap > self._cap_growth_steps:
             self._steps_under_cap = 1
-            if self.step_token_cap >= budget:
-                self.step_token_cap = None
-                return budget
-        return self.step_token_cap
+            if self.step_token_cap is not None:
+                self.step_token_cap *= 2
+                if self.step_token_cap >= budget:
+                    self.step_token_cap = None
+            if self.step_seq_cap is not None:
+                self.step_seq_cap *= 2
+                if self.step_seq_cap >= max_seqs:
+                    self.step_seq_cap = None
+            if self.step_token_cap is None and self.step_seq_cap is None:
+                self._cap_growth_steps = CAP_GROWTH_STEPS
+                return budget, max_seqs
+        return self.step_token_cap or budget, self.step_seq_cap or max_seqs
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -190,8 +212,10 @@ class Scheduler:
         self._push_waiting(victim)
         return 0 if dropped is None else len(dropped.token_ids)
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(
+        self, budget: int, scheduled: dict[str, ScheduledRequest], max_seqs: int
+    ) -> int:
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0][2]
             if request.needs_prompt_logprobs:  # every prompt position must be computed
                 hits, num_hit_tokens = [], 0
