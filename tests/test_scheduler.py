@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from qiao.config import SchedulerConfig
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.request import Request, RequestStatus
-from qiao.engine.scheduler import CAP_GROWTH_STEPS, Scheduler
+from qiao.engine.scheduler import CAP_GROWTH_STEPS, MAX_CAP_GROWTH_STEPS, Scheduler
 from qiao.sampling_params import SamplingParams
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
@@ -545,7 +545,9 @@ def test_tiny_pool_runs_every_request_as_it_would_alone(
                 victim = live[event[1] % len(live)]
                 sched.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
                 check_step(sched, SchedulerOutput())
-    run_steps(2000)
+    # Enough for the work, plus an out-of-memory cap lifting at its longest waits (at most 5
+    # doublings of a cap on these budgets, each after at most MAX_CAP_GROWTH_STEPS steps).
+    run_steps(2000 + 5 * MAX_CAP_GROWTH_STEPS)
     assert not sched.has_unfinished_requests(), "the scheduler stopped making progress"
     assert bm.num_free_blocks == bm.num_blocks
     for req_id, request in requests.items():
