@@ -37,7 +37,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """When things happened to a request (time.monotonic() seconds; None until they do)."""
+    """When things happened to a request (time.monotonic() seconds; None until they do), and
+    the counts the metrics chart per request."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -45,6 +46,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    max_tokens: int | None = None  # the request's limit (SamplingParams.max_tokens)
 
 
 @dataclass

@@ -70,7 +70,7 @@ def create_app(
     """An app serving one LLM `engine` (as version 1 of `settings.model_name`), or the models
     of a `manager`, or of the manager `build_manager(metrics)` returns (so loaders can hook
     their versions into this app's metrics)."""
-    metrics = ServerMetrics(lambda: llm_versions(manager))
+    metrics = ServerMetrics(lambda: llm_versions(manager), vllm_names=settings.metrics_vllm_names)
     if engine is not None:
         served = LLMVersion(settings.model_name, "1", engine)
         manager = ModelManager.static([served])

@@ -3,11 +3,14 @@
 The engine produces plain data (per-request timings in `RequestOutput.metrics`, a stats dict per
 step; a `BatchStats` per encoder batch); this module only exports it. Every model series carries
 `model_name` and `version` labels, so canary and stable versions chart side by side. Each app
-has its own registry, so several servers in one process (tests) never share counters.
+has its own registry, so several servers in one process (tests) never share counters. With
+`vllm_names` the LLM series are exported a second time under vLLM's own `vllm:` names
+(`vllm_names.py`), so a stock vLLM dashboard charts qiao unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,10 +21,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from qiao.api.vllm_names import WithVllmNames
 from qiao.engine.batcher import BatchStats
+from qiao.engine.llm_engine import ITERATION_TOKEN_BUCKETS
 from qiao.outputs import RequestOutput
 
 LATENCY_BUCKETS = (
@@ -68,11 +74,17 @@ TOKEN_LATENCY_BUCKETS = (
     10.0,
 )
 
+# Token counts per request (prompt, generated, max_tokens): 1-2-5 steps up to a million.
+# E.g. 1, 2, 5, 10, 20, 50, ..., 500000, 1000000.
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5)) + (1_000_000,)
+
 
 class ServerMetrics:
-    def __init__(self, llm_versions: Callable[[], list[Any]]) -> None:
+    def __init__(self, llm_versions: Callable[[], list[Any]], *, vllm_names: bool = False) -> None:
         """`llm_versions()` lists the served LLM versions (`.model`, `.version`, `.engine`)
-        whose engine stats are exported at scrape time."""
+        whose engine stats are exported at scrape time. `vllm_names`: export the LLM series
+        under their `vllm:` names too."""
+        self.vllm_names = vllm_names
         self.registry = CollectorRegistry()
         labels = ["model_name", "version"]
         r = self.registry
@@ -135,6 +147,41 @@ class ServerMetrics:
             "Arrival to first scheduled step.",
             labels,
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "qiao:request_prefill_time_seconds",
+            "First scheduled step to first generated token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "qiao:request_decode_time_seconds",
+            "First generated token to finish.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "qiao:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            labels,
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "qiao:request_generation_tokens",
+            "Generated tokens per finished request (all its samples).",
+            labels,
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.request_max_tokens = Histogram(
+            "qiao:request_params_max_tokens",
+            "The max_tokens of finished requests.",
+            labels,
+            buckets=TOKEN_COUNT_BUCKETS,
             registry=r,
         )
         # Encoders behind the dynamic batcher.
@@ -211,17 +258,31 @@ class ServerMetrics:
     def _observe_finished(self, model: str, version: str, output: RequestOutput) -> None:
         m = output.metrics
         self._last_token_time.pop(output.request_id, None)
-        self.prompt_tokens.labels(model, version).inc(len(output.prompt_token_ids))
+        num_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.labels(model, version).inc(num_prompt)
+        self.request_prompt_tokens.labels(model, version).observe(num_prompt)
         for sample in output.outputs:
             self.request_success.labels(model, version, sample.finish_reason or "unknown").inc()
-        if m is not None and m.finished_time is not None:
-            self.e2e.labels(model, version).observe(m.finished_time - m.arrival_time)
-            if m.first_scheduled_time is not None:
-                self.queue_time.labels(model, version).observe(
-                    m.first_scheduled_time - m.arrival_time
-                )
+        if m is None:
+            return
+        self.request_generation_tokens.labels(model, version).observe(m.num_generation_tokens)
+        if m.max_tokens is not None:
+            self.request_max_tokens.labels(model, version).observe(m.max_tokens)
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            self.prefill_time.labels(model, version).observe(
+                m.first_token_time - m.first_scheduled_time
+            )
+        if m.finished_time is None:
+            return
+        self.e2e.labels(model, version).observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.labels(model, version).observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.decode_time.labels(model, version).observe(m.finished_time - m.first_token_time)
 
     def render(self) -> bytes:
+        if self.vllm_names:
+            return generate_latest(WithVllmNames(self.registry))  # type: ignore[arg-type]
         return generate_latest(self.registry)
 
 
@@ -319,10 +380,27 @@ class _EngineCollector(Collector):
                 s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
             )
             add(C, "qiao:engine_steps", "Engine steps run.", label, s["num_steps"])
+            if "iteration_token_counts" in s:
+                name = "qiao:iteration_tokens_total"
+                if name not in families:
+                    doc = "Tokens per engine step (prompt chunks and decode rows)."
+                    families[name] = HistogramMetricFamily(name, doc, labels=names)
+                families[name].add_metric(
+                    label,
+                    _cumulative_buckets(s["iteration_token_counts"]),
+                    s["num_computed_tokens_total"],
+                )
             _add_supervision(add, label, s)
         for model, version, s in self.encoder_stats():
             _add_supervision(add, [model, version], s)
         yield from families.values()
+
+
+def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Steps per ITERATION_TOKEN_BUCKETS bucket -> Prometheus (le, steps <= le) pairs.
+    E.g. [2, 0, 1, ...] -> [("1", 2), ("8", 2), ("16", 3), ...]."""
+    bounds = [*(floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
+    return list(zip(bounds, itertools.accumulate(counts), strict=True))
 
 
 def _add_supervision(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:

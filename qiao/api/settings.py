@@ -231,6 +231,12 @@ class ServeSettings(BaseSettings):
         description="log one line per HTTP request: client, method, path, status, milliseconds "
         "and X-Request-Id (health probes and metric scrapes at debug level)",
     )
+    metrics_vllm_names: bool = Field(
+        False,
+        description="export the LLM series on /metrics under vLLM's names too "
+        "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...; labels model_name, "
+        "version), so a stock vLLM Grafana dashboard works unchanged",
+    )
     config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
 
     @field_validator("api_key", "cors_origins", "load_model", mode="before")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import logging
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # How long a prompt that made a step fail is refused.
 FAILED_PROMPT_TTL_S = 60.0
+# Upper bounds of the tokens-per-step histogram (`iteration_token_counts`, exported as
+# `qiao:iteration_tokens_total`): a decode row is 1 token, a prefill chunk up to the step budget.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 PromptType = str | list[int]
 
@@ -90,6 +94,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # prompt and recomputed tokens plus decode inputs
         self.num_generated_tokens_total = 0
+        # Steps per ITERATION_TOKEN_BUCKETS bucket (tokens <= bound), the last one above them all.
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._arrivals = itertools.count()
         # Requests ended alone by a failing step, for the serving loop to answer.
         self.failed_requests: list[tuple[str, QiaoError]] = []
@@ -136,7 +142,12 @@ class LLMEngine:
             if request.grammar is not None:
                 _advance_grammar(request)
         self.num_steps += 1
-        self.num_computed_tokens_total += scheduler_output.num_scheduled_tokens
+        num_tokens = scheduler_output.num_scheduled_tokens
+        self.num_computed_tokens_total += num_tokens
+        if num_tokens:
+            self.iteration_token_counts[
+                bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
+            ] += 1
         self.num_generated_tokens_total += len(updated)
         touched, stopped = self.output_processor.process(updated, runner_output)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -354,6 +365,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_computed_tokens_total": self.num_computed_tokens_total,
             "num_generated_tokens_total": self.num_generated_tokens_total,
+            "iteration_token_counts": list(self.iteration_token_counts),
             "kv_cache_usage": bm.usage,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,

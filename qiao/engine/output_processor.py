@@ -111,7 +111,7 @@ class OutputProcessor:
             stream,
             completions,
             detoks,
-            metrics=RequestMetrics(arrival_time=children[0].arrival_time),
+            metrics=RequestMetrics(children[0].arrival_time, max_tokens=params.max_tokens),
             child_ids=[c.request_id for c in children],
             sent_tokens=[0] * len(children),
         )
