@@ -92,6 +92,7 @@ def create_app(
     app = FastAPI(title="qiao", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.router = manager
+    app.state.control = manager  # read-only here: KServe's /v2/repository/index
     app.state.engine = engine
     app.state.model_name = settings.model_name
     app.state.metrics = metrics

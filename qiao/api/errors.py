@@ -126,6 +126,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def _is_kserve(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -141,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.url.path}"
+        if _is_kserve(request.url.path):  # KServe's shape under /v2, unknown routes included
+            return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
         return error_response(APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.api.errors import as_api_error
 from qiao.api.keys import check_model_allowed, priority_for
+from qiao.api.kserve_reports import model_config, model_statistics
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -47,9 +48,10 @@ from qiao.api.kserve_tensors import (
     to_json,
     to_raw,
 )
+from qiao.api.management import parse_index_body, v2_index_rows
 from qiao.api.middleware import decimal
-from qiao.errors import ConfigError
-from qiao.repository.types import ModelRouter, ServedVersion
+from qiao.errors import ConfigError, ModelNotFoundError
+from qiao.repository.types import ModelControl, ModelRouter, ServedVersion
 from qiao.version import __version__
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -88,6 +90,13 @@ def _model_router(request: Request) -> ModelRouter:
     return request.app.state.router
 
 
+def _control(request: Request) -> ModelControl:
+    control = getattr(request.app.state, "control", None)
+    if control is None:
+        raise ModelNotFoundError("this server has no model repository")
+    return control
+
+
 # --- server -------------------------------------------------------------------------------------
 
 
@@ -109,7 +118,44 @@ async def server_ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 400)
 
 
+# --- repository, statistics (before /models/{model_name}, which would take "stats") ------------
+
+
+@router.post("/repository/index")
+async def repository_index(request: Request) -> list[dict[str, str]]:
+    """The management listener's index, read-only: load and unload stay on that listener."""
+    ready = await parse_index_body(request)
+    return v2_index_rows(_control(request), ready=ready)
+
+
+@router.get("/models/stats")
+async def all_stats(request: Request) -> dict[str, Any]:
+    return model_statistics(_model_router(request), None, None)
+
+
+@router.get("/models/{model_name}/stats")
+async def model_stats(request: Request, model_name: str) -> dict[str, Any]:
+    return model_statistics(_model_router(request), model_name, None)
+
+
+@router.get("/models/{model_name}/versions/{model_version}/stats")
+async def version_stats(request: Request, model_name: str, model_version: str) -> dict[str, Any]:
+    return model_statistics(_model_router(request), model_name, model_version)
+
+
 # --- models -------------------------------------------------------------------------------------
+
+
+@router.get("/models/{model_name}/config")
+async def model_configuration(request: Request, model_name: str) -> dict[str, Any]:
+    return model_config(_model_router(request), model_name, None)
+
+
+@router.get("/models/{model_name}/versions/{model_version}/config")
+async def version_configuration(
+    request: Request, model_name: str, model_version: str
+) -> dict[str, Any]:
+    return model_config(_model_router(request), model_name, model_version)
 
 
 @router.get("/models/{model_name}")

@@ -1,8 +1,11 @@
 """KServe v2 over gRPC (`inference.GRPCInferenceService`, as tritonclient.grpc speaks it).
 
 `build_grpc_server` returns a `grpc.aio` server, not started, serving ServerLive, ServerReady,
-ModelReady, ServerMetadata, ModelMetadata and ModelInfer against the `ModelRouter` that
-`router_provider` returns at each call; any other method answers UNIMPLEMENTED. ModelInfer takes
+ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelConfig and ModelStatistics against
+the `ModelRouter` that `router_provider` returns at each call, and RepositoryIndex (read-only)
+against the `ModelControl` of `control_provider`; any other method answers UNIMPLEMENTED.
+ModelConfig and ModelStatistics parse the very dicts the HTTP routes answer
+(`kserve_reports`). ModelInfer takes
 inputs as typed `contents` or `raw_input_contents` and answers in `raw_output_contents`, as Triton
 does (tritonclient's `as_numpy` reads those).
 
@@ -27,8 +30,10 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from qiao.api.keys import ApiKey, KeyLimiter, KeyRing, limit_message
+from qiao.api.kserve_reports import model_config, model_statistics
 from qiao.api.kserve_tensors import (
     EXTENSIONS,
     SERVER_NAME,
@@ -46,6 +51,7 @@ from qiao.api.kserve_tensors import (
     select_outputs,
     to_raw,
 )
+from qiao.api.management import v2_index_rows
 from qiao.api.middleware import bearer_token
 from qiao.api.proto import inference_pb2 as pb
 from qiao.api.proto import inference_pb2_grpc as pb_grpc
@@ -56,7 +62,7 @@ from qiao.errors import (
     QueueFullError,
     QueueTimeoutError,
 )
-from qiao.repository.types import ModelRouter
+from qiao.repository.types import ModelControl, ModelRouter
 from qiao.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -93,6 +99,7 @@ def build_grpc_server(
     limiter: KeyLimiter | None = None,
     on_key_outcome: Callable[[str, str], None] | None = None,
     max_message_bytes: int,
+    control_provider: Callable[[], ModelControl | None] = lambda: None,
 ) -> tuple[grpc.aio.Server, int]:
     """The server (not started) and the port it is bound to (`port=0`: any free port).
 
@@ -118,7 +125,7 @@ def build_grpc_server(
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        _InferenceServicer(router_provider, keys), server
+        _InferenceServicer(router_provider, control_provider, keys), server
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
@@ -262,8 +269,14 @@ def _rpc(method: Method[Request, Reply]) -> Method[Request, Reply]:
 
 
 class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router_provider: Callable[[], ModelRouter], keys: _KeyPolicy | None) -> None:
+    def __init__(
+        self,
+        router_provider: Callable[[], ModelRouter],
+        control_provider: Callable[[], ModelControl | None],
+        keys: _KeyPolicy | None,
+    ) -> None:
         self._router = router_provider
+        self._control = control_provider
         self._keys = keys
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
@@ -299,6 +312,30 @@ class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[
                 tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in served.outputs
             ],
+        )
+
+    @_rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+        config = model_config(self._router(), request.name, request.version or None)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+    @_rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+        stats = model_statistics(self._router(), request.name or None, request.version or None)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    @_rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+        control = self._control()
+        if control is None:
+            raise ModelNotFoundError("this server has no model repository")
+        index = pb.RepositoryIndexResponse.ModelIndex
+        rows = v2_index_rows(control, ready=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                index(name=r["name"], version=r["version"], state=r["state"], reason=r["reason"])
+                for r in rows
+            ]
         )
 
     @_rpc

@@ -25,9 +25,16 @@ from qiao.errors import ConfigError, EngineUnavailableError
 from qiao.repository.types import DATATYPES, ModelRouter, ServedVersion, TensorSpec
 
 SERVER_NAME = "qiao"
-# Protocol extensions both transports implement (the repository extension lives on the
-# management listener, so the inference listeners do not announce it).
-EXTENSIONS = ("binary_tensor_data", "parameters", "schedule_policy")
+# Protocol extensions both transports implement. The repository extension's load and unload
+# live on the management listener (the inference listeners serve only its index), so they do
+# not announce it.
+EXTENSIONS = (
+    "binary_tensor_data",
+    "parameters",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+)
 
 # Elements one request may decode to, over all its inputs (FP64: 128 MiB). BYTES elements cost
 # a Python object each, so they have their own, lower bound.

@@ -153,11 +153,7 @@ def _add_v1_routes(app: FastAPI) -> None:
 def _add_v2_routes(app: FastAPI) -> None:
     @app.post("/v2/repository/index")
     async def index(request: Request) -> list[dict[str, str]]:
-        body = await _parse(request, IndexBody)
-        rows = _control(request).index()
-        if body.ready:
-            rows = [s for s in rows if s.state is VersionState.READY]
-        return [_row(s, _V2_STATES[s.state]) for s in rows]
+        return v2_index_rows(_control(request), ready=await parse_index_body(request))
 
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> Response:
@@ -178,6 +174,20 @@ def _add_v2_routes(app: FastAPI) -> None:
         await _parse(request, UnloadBody)
         await _run(_control(request).unload, name)
         return Response(status_code=200)
+
+
+async def parse_index_body(request: Request) -> bool:
+    """The `ready` flag of a `/v2/repository/index` body (400 for a bad body)."""
+    return (await _parse(request, IndexBody)).ready
+
+
+def v2_index_rows(control: ModelControl, *, ready: bool = False) -> list[dict[str, str]]:
+    """The repository index in Triton's words (only READY versions with `ready`); the main
+    listener's KServe routes (HTTP and gRPC) answer the same rows."""
+    rows = control.index()
+    if ready:
+        rows = [s for s in rows if s.state is VersionState.READY]
+    return [_row(s, _V2_STATES[s.state]) for s in rows]
 
 
 def _control(request: Request) -> ModelControl:

@@ -282,6 +282,7 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
 
         grpc_server, port = build_grpc_server(
             lambda: app.state.router,
+            control_provider=lambda: getattr(app.state, "control", None),
             host=settings.host,
             port=settings.grpc_port,
             api_keys=settings.api_keys(),

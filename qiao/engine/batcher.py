@@ -154,11 +154,13 @@ class DynamicBatcher(Generic[T, R]):
         *,
         name: str = "",
         on_batch: Callable[[BatchStats], None] | None = None,
+        record_batch: Callable[[BatchStats], None] | None = None,
     ) -> None:
         self.config = config
         self.name = name
         self._run_batch = run_batch
-        self.on_batch = on_batch
+        self.on_batch = on_batch  # the metrics' observer (the app may set it later)
+        self._record_batch = record_batch  # the version's own statistics
         self._queue: _PriorityQueue[T, R] = _PriorityQueue(config.priority_levels)
         self._num_in_flight = 0
         self._is_closed = False
@@ -396,9 +398,10 @@ class DynamicBatcher(Generic[T, R]):
         return results
 
     def _report(self, stats: BatchStats) -> None:
-        if self.on_batch is None:
-            return
-        try:
-            self.on_batch(stats)
-        except Exception:  # metrics must not stop the batcher
-            logger.exception("on_batch of model %r failed", self.name)
+        for observe in (self._record_batch, self.on_batch):
+            if observe is None:
+                continue
+            try:
+                observe(stats)
+            except Exception:  # metrics must not stop the batcher
+                logger.exception("batch observer of model %r failed", self.name)

@@ -376,6 +376,13 @@ class ModelConfigFile(_Section):
         """precision_mode as a dtype name: "float32", "float16", "bfloat16" (or "auto")."""
         return PRECISION_DTYPES[self.precision_mode]
 
+    def triton_version_policy(self) -> dict[str, Any]:
+        """`version_policy` as Triton's model configuration writes it (versions as integers)."""
+        policy = self.version_policy.model_dump(exclude_none=True)
+        if "specific" in policy:
+            policy["specific"] = {"versions": [int(v) for v in policy["specific"]["versions"]]}
+        return policy
+
     def batcher_values(self) -> dict[str, Any]:
         """`BatcherConfig(**values)` for an encoder. Without a dynamic_batching block: no delay
         and no preferred sizes (each batch is what is queued). Triton's zeros: max_queue_size 0

@@ -56,7 +56,12 @@ class VersionBuilder:
                 raise ConfigError(
                     f"version {vdir.version}: an llm version must be an HF checkpoint"
                 )
-            return LLMVersion(entry.name, vdir.version, self._engine(entry, vdir))
+            return LLMVersion(
+                entry.name,
+                vdir.version,
+                self._engine(entry, vdir),
+                version_policy=config.triton_version_policy(),
+            )
         if config.backend == "onnx" and vdir.kind != "onnx":
             raise ConfigError(f"version {vdir.version}: backend onnx needs a .onnx file")
         if config.backend == "embedding" and vdir.kind != "hf":
@@ -78,6 +83,7 @@ class VersionBuilder:
             batching,
             backend=config.backend,
             breaker=self.breaker_config(entry),
+            version_policy=config.triton_version_policy(),
         )
 
     def encoder(self, spec: EncoderSpec, *, name: str) -> Encoder:

@@ -7,7 +7,9 @@
   token ids), tokenized here; a batch is every queued request's rows run as one `embed` call,
   and each request gets exactly its own rows back.
 
-Both count the requests they hold, so a version being unloaded can finish them first.
+Both count the requests they hold, so a version being unloaded can finish them first, and keep
+Triton's inference statistics (`statistics.InferStatistics`: KServe infers, and an encoder's
+OpenAI embeddings too; the batcher adds each batch's queue and compute times).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +27,8 @@ from qiao.engine.batcher import BatchStats, DynamicBatcher
 from qiao.engine.breaker import BreakerConfig, CircuitBreaker
 from qiao.engine.encoder_process import ProcessEncoder
 from qiao.errors import ConfigError, EngineRestartedError
-from qiao.repository.types import TensorSpec
+from qiao.repository.statistics import InferStatistics
+from qiao.repository.types import Batching, TensorSpec
 from qiao.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from qiao.engine.batcher import BatcherConfig
     from qiao.runner.encoder import Encoder
 
+_LATEST_ONE = {"latest": {"num_versions": 1}}  # Triton's default version policy
 # Most tokens an LLM `infer` may ask for when the request names no `max_tokens`.
 DEFAULT_INFER_MAX_TOKENS = 16
 
@@ -65,10 +69,21 @@ class LLMVersion:
     )
     outputs = (TensorSpec("text_output", "BYTES", (-1,)),)
 
-    def __init__(self, model: str, version: str, engine: EngineClient) -> None:
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        engine: EngineClient,
+        *,
+        version_policy: Mapping[str, Any] | None = None,
+    ) -> None:
         self.model = model
         self.version = version
         self.engine = engine
+        # Continuous batching in the engine, no batch dimension in the tensors: Triton's
+        # max_batch_size 0 (one infer's prompts are its rows of `text_input`).
+        self.batching = Batching(version_policy=version_policy or _LATEST_ONE)
+        self.statistics = InferStatistics()
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -93,6 +108,16 @@ class LLMVersion:
         *,
         priority: int | None = None,
         timeout_us: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        rows = inputs["text_input"].size if "text_input" in inputs else 0
+        with self.statistics.request(rows):
+            start = time.perf_counter_ns()
+            results = await self._infer(inputs, priority, timeout_us)
+            self.statistics.record_execution(rows, time.perf_counter_ns() - start)
+            return results
+
+    async def _infer(
+        self, inputs: dict[str, np.ndarray], priority: int | None, timeout_us: int | None
     ) -> dict[str, np.ndarray]:
         prompts = _texts(inputs, "text_input")
         max_tokens = DEFAULT_INFER_MAX_TOKENS
@@ -152,6 +177,7 @@ class EncoderVersion:
         backend: str,
         on_batch: Callable[[BatchStats], None] | None = None,
         breaker: BreakerConfig | None = None,
+        version_policy: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         # Opened by batches that fail in the encoder (not by refused or invalid requests).
@@ -164,11 +190,19 @@ class EncoderVersion:
         self._unwatch: Callable[[Callable[[], dict[str, Any]] | None], None] | None = None
         self.inputs = (TensorSpec("text", "BYTES", (-1,)),)
         self.outputs = (TensorSpec("embedding", "FP32", (-1, encoder.dim)),)
+        self.batching = Batching(
+            max_batch_size=batcher_config.max_batch_size,
+            preferred_batch_sizes=batcher_config.preferred_batch_sizes,
+            max_queue_delay_us=batcher_config.max_queue_delay_us,
+            version_policy=version_policy or _LATEST_ONE,
+        )
+        self.statistics = InferStatistics()
         self.batcher: DynamicBatcher[list[list[int]], np.ndarray] = DynamicBatcher(
             self._run_batch,
             batcher_config,
             name=f"{model}/{version}",
             on_batch=on_batch,
+            record_batch=self.statistics.record_batch,
         )
 
     def _run_batch(self, items: list[list[list[int]]]) -> list[np.ndarray]:
@@ -240,6 +274,12 @@ class EncoderVersion:
         timeout_us: int | None = None,
     ) -> np.ndarray:
         """Embeddings of `token_ids` ([N, dim] float32) through the batcher."""
+        with self.statistics.request(len(token_ids)):
+            return await self._embed_ids(token_ids, priority, timeout_us)
+
+    async def _embed_ids(
+        self, token_ids: list[list[int]], priority: int | None, timeout_us: int | None
+    ) -> np.ndarray:
         if not token_ids:
             raise ConfigError("input must hold at least one text")
         self.breaker.allow()
@@ -266,6 +306,8 @@ class EncoderVersion:
         priority: int | None = None,
         timeout_us: int | None = None,
     ) -> dict[str, np.ndarray]:
-        texts = _texts(inputs, "text")
-        vectors = await self.embed(texts, priority=priority, timeout_us=timeout_us)
+        rows = inputs["text"].size if "text" in inputs else 0
+        with self.statistics.request(rows):  # a refused input counts as a failure too
+            token_ids = self.tokenize(_texts(inputs, "text"))
+            vectors = await self._embed_ids(token_ids, priority, timeout_us)
         return {"embedding": vectors.astype(np.float32, copy=False)}

@@ -7,10 +7,14 @@ against these protocols only, so each can be tested with a small fake.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from qiao.repository.statistics import InferStatistics
 
 # KServe v2 tensor datatypes and their numpy dtypes (BYTES tensors are numpy object arrays of
 # `bytes`).
@@ -40,6 +44,24 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+def _latest_one() -> Mapping[str, Any]:
+    return {"latest": {"num_versions": 1}}
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a served version batches, in Triton's model-configuration terms."""
+
+    # 0: the model takes no batch dimension (its TensorSpec shapes are the whole tensors); else
+    # the most rows one batch holds (the first axis of every TensorSpec is the batch).
+    max_batch_size: int = 0
+    # Triton's `dynamic_batching` (None: requests are not batched together by a queue).
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int | None = None
+    # The model's `version_policy` as Triton writes it, e.g. {"specific": {"versions": [1, 3]}}.
+    version_policy: Mapping[str, Any] = field(default_factory=_latest_one)
+
+
 class VersionState(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"
@@ -56,6 +78,8 @@ class ServedVersion(Protocol):
     platform: str  # KServe metadata platform, e.g. "pytorch_libtorch", "onnxruntime_onnx"
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    batching: Batching
+    statistics: InferStatistics  # Triton's statistics extension, recorded by the version
 
     async def infer(
         self,

@@ -5,7 +5,7 @@ import warnings
 
 from qiao.api.proto import inference_pb2 as qiao_dot_api_dot_proto_dot_inference__pb2
 
-GRPC_GENERATED_VERSION = '1.81.1'
+GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -64,6 +64,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -111,6 +126,27 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """A model's configuration, as Triton's model configuration extension describes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Inference statistics of one version, a model's versions, or every model (empty name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
+        """The repository's models and versions with their states (read-only here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +179,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferRequest.FromString,
                     response_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigRequest.FromString,
+                    response_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +358,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferRequest.SerializeToString,
             qiao_dot_api_dot_proto_dot_inference__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+            qiao_dot_api_dot_proto_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+            qiao_dot_api_dot_proto_dot_inference__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+            qiao_dot_api_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,
