@@ -609,3 +609,35 @@ def test_a_failing_on_batch_does_not_stop_the_batcher() -> None:
         assert calls == [1, 3]
 
     run(scenario)
+
+
+def test_the_versions_statistics_see_every_batch_beside_the_metrics() -> None:
+    """`record_batch` (the version's Triton statistics) is called for each batch whatever the
+    app set as `on_batch`; InferStatistics sums queue and compute per request and per size."""
+    from qiao.repository.statistics import InferStatistics
+
+    async def scenario() -> None:
+        statistics = InferStatistics()
+        seen: list[int] = []
+        batcher = DynamicBatcher(FakeModel(), BatcherConfig(), record_batch=statistics.record_batch)
+        batcher.on_batch = lambda stats: seen.append(stats.rows)  # set later, as the app does
+        try:
+            for item, rows in (("a", 1), ("b", 3), ("c", 1)):
+                with statistics.request(rows):
+                    assert await batcher.submit(item, rows=rows) == answer(item)
+            with pytest.raises(ConfigError), statistics.request(1):
+                await batcher.submit("d", rows=0)
+        finally:
+            await batcher.close()
+        assert seen == [1, 3, 1]
+        assert (statistics.inference_count, statistics.execution_count) == (5, 3)
+        assert (statistics.success.count, statistics.fail.count) == (3, 1)
+        assert statistics.queue.count == statistics.compute_infer.count == 3
+        sizes = {size: b.compute_infer.count for size, b in statistics.batches.items()}
+        assert sizes == {1: 2, 3: 1}
+        assert statistics.compute_infer.ns == sum(
+            b.compute_infer.ns for b in statistics.batches.values()
+        )
+        assert statistics.last_inference_ms > 0
+
+    run(scenario)

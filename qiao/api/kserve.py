@@ -1,4 +1,8 @@
-"""KServe v2 (Open Inference Protocol, Triton's HTTP API) under `/v2`: health, metadata, infer.
+"""KServe v2 (Open Inference Protocol, Triton's HTTP API) under `/v2`: health, metadata, infer,
+and Triton's extensions: model configuration (`/models/{m}[/versions/{v}]/config`), statistics
+(`/models/stats`, `/models/{m}[/versions/{v}]/stats`; both built in `kserve_reports`, which the
+gRPC service serializes too) and the repository index (`POST /repository/index`, the management
+listener's rows, read-only: load and unload stay on that listener).
 
 Routes are written against `request.app.state.router` (a `ModelRouter`) only. `infer` takes JSON
 tensors and the binary tensor data extension (`Inference-Header-Content-Length`: the JSON header,

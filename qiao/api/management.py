@@ -12,6 +12,9 @@ needs `Authorization: Bearer <token>`. Routes:
     POST /v2/repository/models/{model}/load      words; errors as {"error": "..."}), which
     POST /v2/repository/models/{model}/unload    tritonclient's repository calls speak
 
+The main listener answers `/v2/repository/index` too (HTTP and gRPC), read-only and with the
+same rows (`v2_index_rows`).
+
 Model names are checked (`scan.check_model_name`) before the control sees them, and a path with
 any percent-encoded byte is refused outright: valid names never need one, and decoding `%2F`
 would otherwise change which route a request reaches. The control's errors map to status codes:
