@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from qiao.api import triton_metrics
 from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
 from qiao.api.keys import KeyLimiter, KeyRing
@@ -173,6 +174,7 @@ def _add_health_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        """Prometheus text format."""
-        body = request.app.state.metrics.render()
+        """Prometheus text format: the server's series, then Triton's `nv_inference_*`."""
+        served = request.app.state.router.served_versions()
+        body = request.app.state.metrics.render() + triton_metrics.render(served)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import model_config_pb2 as triton_config
 from tritonclient.utils import InferenceServerException
 
@@ -255,6 +256,32 @@ def test_statistics_of_the_llm_and_of_every_model(
     assert [(s["name"], s["version"]) for s in every] == [("minilm", "1"), ("stories", "1")]
     remote = grpc.get_inference_statistics(as_json=True)["model_stats"]
     assert [(s["name"], s["version"]) for s in remote] == [("minilm", "1"), ("stories", "1")]
+
+
+def test_nv_inference_metrics_match_the_statistics(
+    server: tuple[SubprocessServer, int], http: httpclient.InferenceServerClient
+) -> None:
+    http_embed(http, "counted once")
+    stats = {(s["name"], s["version"]): s for s in http.get_inference_statistics()["model_stats"]}
+    text = httpx.get(server[0].base_url + "/metrics").text
+    metrics = {
+        (family.name, sample.labels["model"], sample.labels["version"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("nv_inference_")
+        for sample in family.samples
+    }
+    assert metrics[("nv_inference_count", "minilm", "1")] > 0
+    for (model, version), entry in stats.items():
+        inference = entry["inference_stats"]
+        expected = {
+            "nv_inference_count": entry["inference_count"],
+            "nv_inference_exec_count": entry["execution_count"],
+            "nv_inference_request_success": inference["success"]["count"],
+            "nv_inference_request_failure": inference["fail"]["count"],
+            "nv_inference_queue_duration_us": inference["queue"]["ns"] // 1000,
+            "nv_inference_compute_infer_duration_us": inference["compute_infer"]["ns"] // 1000,
+        }
+        assert {name: metrics[(name, model, version)] for name in expected} == expected, model
 
 
 # --- errors -------------------------------------------------------------------------------------
