@@ -6,7 +6,8 @@ service parses the same dict into its messages, whose field names are Triton's
 
 - `model_config`: name, platform, backend, max_batch_size, input / output (data_type as
   "TYPE_FP32", dims without the batch dimension when max_batch_size > 0, so [batch] + dims is
-  the shape `infer` takes: one text per row is dims []), dynamic_batching when a queue batches
+  the shape `infer` takes; one text per row is dims [1] with Triton's reshape {shape: []}, and
+  `infer` takes [batch] too), dynamic_batching when a queue batches
   the version, version_policy.
 - `model_statistics`: the versions' `InferStatistics` as Triton's statistics extension reports
   them: one version, every ready version of a model, or of every model.
@@ -51,8 +52,17 @@ def model_config(model_router: ModelRouter, model: str, version: str | None) -> 
 
 
 def _tensor(spec: TensorSpec, max_batch_size: int) -> dict[str, Any]:
-    dims = list(spec.shape[1:] if max_batch_size > 0 else spec.shape)
-    return {"name": spec.name, "data_type": triton_datatype(spec.datatype), "dims": dims}
+    def unbatched(shape: tuple[int, ...]) -> list[int]:
+        return list(shape[1:] if max_batch_size > 0 else shape)
+
+    tensor: dict[str, Any] = {
+        "name": spec.name,
+        "data_type": triton_datatype(spec.datatype),
+        "dims": unbatched(spec.shape),
+    }
+    if spec.reshape is not None:
+        tensor["reshape"] = {"shape": unbatched(spec.reshape)}
+    return tensor
 
 
 def model_statistics(

@@ -136,10 +136,17 @@ def check_inputs(served: ServedVersion, headers: Sequence[TensorHeader]) -> None
             )
         if header.datatype != spec.datatype:
             raise ConfigError(f"input {header.name!r} is {spec.datatype}, not {header.datatype}")
-        if not _fits(header.shape, spec.shape):
+        if not _fits(header.shape, spec.shape) and not (
+            spec.reshape is not None and _fits(header.shape, spec.reshape)
+        ):
+            takes = (
+                list(spec.shape)
+                if spec.reshape is None
+                else f"{list(spec.shape)} or {list(spec.reshape)}"
+            )
             raise ConfigError(
                 f"input {header.name!r} has shape {list(header.shape)}; "
-                f"model {served.model!r} takes {list(spec.shape)} (-1 = any size)"
+                f"model {served.model!r} takes {takes} (-1 = any size)"
             )
         num_elements += header.num_elements
         if header.datatype == "BYTES":

@@ -188,7 +188,7 @@ class EncoderVersion:
         self.encoder = encoder
         self._process = encoder if isinstance(encoder, ProcessEncoder) else None
         self._unwatch: Callable[[Callable[[], dict[str, Any]] | None], None] | None = None
-        self.inputs = (TensorSpec("text", "BYTES", (-1,)),)
+        self.inputs = (TensorSpec("text", "BYTES", (-1, 1), reshape=(-1,)),)
         self.outputs = (TensorSpec("embedding", "FP32", (-1, encoder.dim)),)
         self.batching = Batching(
             max_batch_size=batcher_config.max_batch_size,

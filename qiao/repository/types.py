@@ -37,11 +37,16 @@ DATATYPES: dict[str, np.dtype] = {
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output of a served model. `shape` counts the batch dimension; -1 = any."""
+    """One input or output of a served model. `shape` counts the batch dimension; -1 = any.
+
+    `reshape`, as in Triton's model configuration, is the shape (batch dimension included) the
+    model sees when it differs from `shape`: one text per row is shape [-1, 1] (Triton has no
+    empty dims) reshaped to [-1]. A request may send either shape."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
 
 
 def _latest_one() -> Mapping[str, Any]:

@@ -122,17 +122,30 @@ def test_encoder_config(
         "backend": "embedding",
         "version_policy": {"latest": {"num_versions": 1}},
         "max_batch_size": 32,
-        "input": [{"name": "text", "data_type": "TYPE_STRING", "dims": []}],  # one per row
+        # One text per row: Triton has no empty dims, so [1] reshaped to [] as Triton writes it.
+        "input": [
+            {
+                "name": "text",
+                "data_type": "TYPE_STRING",
+                "dims": [1],
+                "reshape": {"shape": []},
+            }
+        ],
         "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [MINILM_DIM]}],
         "dynamic_batching": {
             "preferred_batch_size": [4, 8],
             "max_queue_delay_microseconds": 200000,
         },
     }
-    # The config is honest: a [batch] + dims shaped request is accepted.
-    text = httpclient.InferInput("text", [2, *config["input"][0]["dims"]], "BYTES")
-    text.set_data_from_numpy(_texts("a", "b"))
-    assert http.infer("minilm", [text]).as_numpy("embedding").shape == (2, MINILM_DIM)
+    # The config is honest: [batch] + dims and [batch] + reshape are both accepted, and agree.
+    embedded = []
+    for key in ("dims", "reshape"):
+        dims = config["input"][0][key] if key == "dims" else config["input"][0][key]["shape"]
+        text = httpclient.InferInput("text", [2, *dims], "BYTES")
+        text.set_data_from_numpy(_texts("a", "b").reshape(2, *dims))
+        embedded.append(http.infer("minilm", [text]).as_numpy("embedding"))
+    assert embedded[0].shape == (2, MINILM_DIM)
+    np.testing.assert_array_equal(embedded[0], embedded[1])
 
     remote = grpc.get_model_config("minilm").config
     assert (remote.name, remote.platform, remote.backend) == (
@@ -142,9 +155,10 @@ def test_encoder_config(
     )
     assert remote.max_batch_size == 32
     assert remote.version_policy.latest.num_versions == 1
-    assert [(t.name, t.data_type, list(t.dims)) for t in remote.input] == [
-        ("text", triton_config.TYPE_STRING, [])
+    assert [(t.name, t.data_type, list(t.dims), list(t.reshape.shape)) for t in remote.input] == [
+        ("text", triton_config.TYPE_STRING, [1], [])
     ]
+    assert remote.input[0].HasField("reshape") and not remote.output[0].HasField("reshape")
     assert [(t.name, t.data_type, list(t.dims)) for t in remote.output] == [
         ("embedding", triton_config.TYPE_FP32, [MINILM_DIM])
     ]

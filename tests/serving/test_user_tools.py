@@ -1,5 +1,6 @@
 """The users' own tools, unmodified, against `qiao serve` (issue 19): lm-eval's
-`local-completions` loglikelihood on a tiny local task, and guidellm with its default backend.
+`local-completions` loglikelihood on a tiny local task, guidellm with its default backend, and
+Triton's perf_analyzer on the embedding model over HTTP and gRPC.
 
 Opt-in (`-m tools`): the tools have their own pins, so they live in their own virtual environment,
 built from the `tools` extra of pyproject.toml by `./dev test-tools` (which then runs this file).
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -153,3 +156,82 @@ def test_guidellm_runs_clean_with_its_default_backend(
     totals = benchmark["metrics"]["request_totals"]
     assert totals == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
     assert benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] > 0
+
+
+def _perf_analyzer_env() -> dict[str, str]:
+    """perf_analyzer (from the tritonclient 2.42 wheel) links libcudart, even with no GPU: the
+    nvidia-cuda-runtime-cu12 wheel in the same venv carries it. It also needs Debian's
+    libb64-0d."""
+    _tool("perf_analyzer")
+    libs = sorted(TOOLS_BIN.parent.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"))
+    env = dict(os.environ)
+    if libs:
+        env["LD_LIBRARY_PATH"] = ":".join([str(libs[0]), env.get("LD_LIBRARY_PATH", "")])
+    ldd = shutil.which("ldd")
+    if ldd:
+        linked = subprocess.run(
+            [ldd, str(TOOLS_BIN / "perf_analyzer")], env=env, capture_output=True, text=True
+        ).stdout
+        missing = [line.split()[0] for line in linked.splitlines() if "not found" in line]
+        if missing:
+            pytest.skip(f"perf_analyzer cannot load {missing}: apt-get install libb64-0d")
+    return env
+
+
+@pytest.fixture(scope="module")
+def embedding_server(tmp_path_factory: pytest.TempPathFactory):
+    """A bare `qiao serve` (the demo LLM and MiniLM) with its gRPC port."""
+    log_path = tmp_path_factory.mktemp("tools-embedding-server") / "server.log"
+    server = SubprocessServer(["--grpc-port", "0", "--log-interval", "0"], log_path)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_measures_the_embedding_model(
+    embedding_server: SubprocessServer, protocol: str, tmp_path: Path
+) -> None:
+    env = _perf_analyzer_env()
+    if protocol == "http":
+        url = f"127.0.0.1:{embedding_server.port}"
+    else:
+        match = re.search(r"gRPC .*?127\.0\.0\.1:(\d+)", embedding_server.log())
+        assert match, embedding_server.log()[-2000:]
+        url = f"127.0.0.1:{match.group(1)}"
+    report = tmp_path / "perf.csv"
+    argv = [
+        str(TOOLS_BIN / "perf_analyzer"),
+        "-m",
+        "all-MiniLM-L6-v2",
+        "-u",
+        url,
+        "-i",
+        protocol,
+        "--string-data",
+        "a sentence to embed",
+        "--concurrency-range",
+        "1:2",
+        "--measurement-mode",
+        "count_windows",
+        "--measurement-request-count",
+        "20",
+        # What is tested is the protocol, not a stable latency: a loaded 2-core machine seldom
+        # holds perf_analyzer's default 10% between windows.
+        "--stability-percentage",
+        "100",
+        "--max-trials",
+        "20",
+        "-f",
+        str(report),
+    ]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "Throughput" in output and "error" not in output.lower(), output[-4000:]
+    rows = [line.split(",") for line in report.read_text().splitlines()]
+    assert rows[0][0] == "Concurrency" and [r[0] for r in rows[1:]] == ["1", "2"], output
+    # The server-side columns come from qiao's statistics extension: the model computed.
+    infer = rows[0].index("Server Compute Infer")
+    assert all(int(r[infer]) > 0 for r in rows[1:]), rows
