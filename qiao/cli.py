@@ -8,14 +8,22 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def _add_engine_flags(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    if default_model is None:
+        g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    else:
+        g.add_argument(
+            "--model",
+            default=default_model,
+            help="Hugging Face checkpoint directory (default: the built-in demo model)",
+        )
     g.add_argument(
         "--dtype",
         default="auto",
@@ -157,23 +165,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=not args.no_prefix_caching,
-        device=args.device,
-        cuda_graphs=args.cuda_graphs,
-        num_threads=args.num_threads,
-        profile=args.profile,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for output in outputs:
@@ -193,6 +185,59 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             else:
                 print(f"{output.prompt}{sample.text}")
     return 0
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(model, **kwargs)` from the engine flags."""
+    return {
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "quantization": args.quantization,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "device": args.device,
+        "cuda_graphs": args.cuda_graphs,
+        "num_threads": args.num_threads,
+        "profile": args.profile,
+    }
+
+
+def _add_batch_command(sub: argparse._SubParsersAction) -> None:
+    from qiao.batch.cli import add_batch_run_flags
+
+    batch = sub.add_parser(
+        "batch",
+        help="offline batch jobs over OpenAI batch files: run",
+        description="Offline batch work over OpenAI batch files (custom_id, method, url, body).",
+    )
+    commands = batch.add_subparsers(dest="batch_command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run an OpenAI batch file to an output file; resumable",
+        description="Run every line of an OpenAI batch input file (/v1/chat/completions, "
+        "/v1/completions, /v1/embeddings) on an in-process engine and write OpenAI's output "
+        "file (answered lines) and error file (refused or failed lines), in input order. "
+        "Progress is kept in a SQLite state file beside the output: killed at any moment and "
+        "run again with the same arguments, the run continues where it stopped.",
+    )
+    add_batch_run_flags(run)
+    _add_engine_flags(run, default_model=_demo_model_dir())
+    run.set_defaults(func=_cmd_batch_run)
+
+
+def _demo_model_dir() -> str:
+    return str(Path(__file__).resolve().parent / "demo_model")
+
+
+def _cmd_batch_run(args: argparse.Namespace) -> int:
+    from qiao.batch.cli import run_batch
+
+    return run_batch(args, _engine_kwargs(args))
 
 
 def _cmd_serve(argv: list[str]) -> int:
@@ -297,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_subcommands(bench)
     add_tune_command(sub)
     _add_export_command(sub)
+    _add_batch_command(sub)
     return parser
 
 

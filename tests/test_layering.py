@@ -21,6 +21,11 @@ LAYERS = {
     "qiao.engine": 5,
     "qiao.entrypoints": 6,
     "qiao.repository": 6,
+    # The batch runner and its command reuse the API layer's request handling; the job's lines
+    # and state below them import no layer, so the server's Batch API can build on them.
+    "qiao.batch.offline": 8,
+    "qiao.batch.cli": 8,
+    "qiao.batch": 6,
     "qiao.api": 7,
     "qiao.export": 8,
     "qiao.cli": 8,

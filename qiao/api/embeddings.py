@@ -4,7 +4,8 @@ model version's dynamic batcher."""
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -43,13 +44,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
             f"model {body.model!r} is a generative model; use /v1/completions",
             param="model",
         )
-    if body.dimensions is not None and body.dimensions != served.encoder.dim:
-        raise APIError(
-            400,
-            f"dimensions: this model returns {served.encoder.dim}-dimensional vectors only",
-            param="dimensions",
-        )
-    token_ids = _token_ids(body, served, settings.max_prompts)
+    check_dimensions(body, served.encoder.dim)
+    token_ids = embedding_token_ids(body, served.tokenize, settings.max_prompts)
     try:
         vectors = await served.embed_ids(
             token_ids, priority=body.priority, timeout_us=body.timeout_us
@@ -63,29 +59,45 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
     charge = token_charger(request)
     if charge is not None:
         charge(num_tokens)
+    # A response object of plain JSON types: FastAPI's encoder would walk every float again.
+    return JSONResponse(embedding_body(body, vectors, num_tokens))
+
+
+def check_dimensions(body: EmbeddingRequest, dim: int) -> None:
+    """`dimensions` may only ask for the model's own size (no truncation)."""
+    if body.dimensions is not None and body.dimensions != dim:
+        raise APIError(
+            400,
+            f"dimensions: this model returns {dim}-dimensional vectors only",
+            param="dimensions",
+        )
+
+
+def embedding_body(body: EmbeddingRequest, vectors: np.ndarray, num_tokens: int) -> dict[str, Any]:
+    """The response body: one vector per input, in the asked encoding."""
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(row, body.encoding_format)}
         for i, row in enumerate(vectors)
     ]
-    # A response object of plain JSON types: FastAPI's encoder would walk every float again.
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "model": body.model,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-        }
-    )
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
 
 
-def _token_ids(body: EmbeddingRequest, served: EncoderVersion, max_inputs: int) -> list[list[int]]:
+def embedding_token_ids(
+    body: EmbeddingRequest, tokenize: Callable[[list[str]], list[list[int]]], max_inputs: int
+) -> list[list[int]]:
+    """The inputs as token ids (texts through `tokenize`); 400 for empty or too many inputs."""
     texts, ids = split_inputs(body.input, param="input", noun="inputs", max_count=max_inputs)
     if texts is None and any(not row for row in ids):
         raise APIError(400, "input: must not be empty", param="input")
     if texts is not None:
         if any(not text for text in texts):
             raise APIError(400, "input: texts must not be empty strings", param="input")
-        return served.tokenize(texts)
+        return tokenize(texts)
     return ids
 
 

@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qiao.errors import (
@@ -113,7 +114,7 @@ def _field_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -137,7 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

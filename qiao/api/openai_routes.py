@@ -26,6 +26,7 @@ from qiao.api.protocol import (
 )
 from qiao.api.serving import (
     Job,
+    Sample,
     chat_logprobs,
     collect,
     completion_logprobs,
@@ -41,6 +42,7 @@ from qiao.outputs import CompletionOutput, Logprob
 from qiao.repository.manager import ModelManager
 from qiao.repository.scan import MAX_VERSION_LENGTH, quoted
 from qiao.repository.served import LLMVersion
+from qiao.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -123,8 +125,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     served = _llm(request, body)
     check_request_fields(body, state.settings)
-    prompts = _completion_prompts(body, state, served.engine)
-    job = _start(request, served.engine, body, prompts, body.logprobs, "prompt")
+    engine = served.engine
+    prompts = completion_prompts(body, state.settings, engine.tokenizer, engine.vocab_size)
+    job = _start(request, engine, body, prompts, body.logprobs, "prompt")
     request_id, created = f"cmpl-{uuid.uuid4().hex}", now()
     base = {
         "id": request_id,
@@ -150,7 +153,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 
         return _sse(job, chunks, base, body)
     samples = await collect(job, request)
-    tokenizer = served.engine.tokenizer
+    choices = completion_choices(body, prompts, samples, job, engine.tokenizer)
+    return {**base, "choices": choices, "usage": usage(job, samples)}
+
+
+def completion_choices(
+    body: CompletionRequest,
+    prompts: list[list[int]],
+    samples: list[Sample],
+    job: Job,
+    tokenizer: Any,
+) -> list[dict[str, Any]]:
+    """The `choices` of a finished completions request (echo and logprobs included)."""
+    k = body.logprobs
     choices = []
     for s in samples:
         prompt_index = s.index // body.n
@@ -172,7 +187,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(job.prompt_logprobs.get(prompt_index))
         choices.append(choice)
-    return {**base, "choices": choices, "usage": usage(job, samples)}
+    return choices
 
 
 def _prompt_text(body: CompletionRequest, index: int, prompt: list[int], tokenizer: Any) -> str:
@@ -189,11 +204,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = request.app.state
     served = _llm(request, body)
     check_request_fields(body, state.settings)
-    prompt_ids = _render_chat(body, served.engine.tokenizer)
-    parsing = _tool_parsing(body, state.settings, served.engine.tokenizer)
-    if parsing is not None and parsing.keeps_special_tokens:
-        body = body.model_copy(update={"skip_special_tokens": False})
-    k = (body.top_logprobs or 0) if body.logprobs else None
+    body, prompt_ids, parsing = prepare_chat(body, state.settings, served.engine.tokenizer)
+    k = chat_top_logprobs(body)
     job = _start(request, served.engine, body, [prompt_ids], k, "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     base = {
@@ -252,6 +264,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
         return _sse(job, chunks, base, body, first)
     samples = await collect(job, request)
+    response = {**base, "object": "chat.completion", **chat_fields(body, samples, job, parsing)}
+    return {**response, "usage": usage(job, samples)}
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, settings: Any, tokenizer: Any
+) -> tuple[ChatCompletionRequest, list[int], ToolParsing | None]:
+    """The request as it runs (special tokens kept when its tool-call parser reads them), its
+    rendered prompt, and how its outputs are parsed for tool calls."""
+    prompt_ids = render_chat(body, tokenizer)
+    parsing = tool_parsing_for(body, settings, tokenizer)
+    if parsing is not None and parsing.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})
+    return body, prompt_ids, parsing
+
+
+def chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
+    """Top-k logprobs per sampled token; None when `logprobs` is not asked."""
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def chat_fields(
+    body: ChatCompletionRequest, samples: list[Sample], job: Job, parsing: ToolParsing | None
+) -> dict[str, Any]:
+    """`choices` (and `prompt_logprobs` when asked) of a finished chat request."""
+    k = chat_top_logprobs(body)
     choices = []
     for s in samples:
         message, reason = _chat_message(s.text, s.finish_reason, parsing)
@@ -259,13 +297,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         choices.append(
             {"index": s.index, "message": message, "logprobs": lp, "finish_reason": reason}
         )
-    response = {**base, "object": "chat.completion", "choices": choices}
+    fields: dict[str, Any] = {"choices": choices}
     if body.prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_json(job.prompt_logprobs.get(0))
-    return {**response, "usage": usage(job, samples)}
+        fields["prompt_logprobs"] = prompt_logprobs_json(job.prompt_logprobs.get(0))
+    return fields
 
 
-def _tool_parsing(body: ChatCompletionRequest, settings: Any, tokenizer: Any) -> ToolParsing | None:
+def tool_parsing_for(
+    body: ChatCompletionRequest, settings: Any, tokenizer: Any
+) -> ToolParsing | None:
     """How this request's outputs are parsed for tool calls; None: not at all. With
     `tool_choice: "none"` the tools still reach the template (as vLLM does), but no output is
     parsed. `required` and a named function parse as `auto` until the output is constrained to
@@ -315,21 +355,24 @@ def _stream_deltas(parsed: ParsedText) -> list[dict[str, Any]]:
     return deltas
 
 
-def _completion_prompts(body: CompletionRequest, state: Any, engine: Any) -> list[list[int]]:
+def completion_prompts(
+    body: CompletionRequest, settings: Any, tokenizer: Any, vocab_size: int
+) -> list[list[int]]:
+    """The request's prompts as token ids (texts encoded, ids checked against the vocabulary)."""
     texts, id_lists = split_inputs(
-        body.prompt, param="prompt", noun="prompts", max_count=state.settings.max_prompts
+        body.prompt, param="prompt", noun="prompts", max_count=settings.max_prompts
     )
     if texts is None:
-        vocab = engine.vocab_size
         for ids in id_lists:
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise APIError(
+                    400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt"
+                )
         return id_lists
-    tokenizer = engine.tokenizer
     return [tokenizer.encode(text) if text else [] for text in texts]
 
 
-def _render_chat(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def render_chat(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     # Tools go to the template whole ({"type": "function", "function": {...}}), as transformers
     # hands them over; a template without tool support ignores them.
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
@@ -359,6 +402,45 @@ def _start(
     """Check lengths for every prompt, then admit them all (or none) into the engine."""
     state = request.app.state
     settings = state.settings
+    plans = plan_params(body, prompts, num_logprobs, prompt_param, settings, engine)
+    timeout = body.timeout or settings.default_timeout
+    deadline = time.monotonic() + timeout if timeout else None
+    if state.draining:
+        raise APIError(
+            503,
+            "the server is shutting down; retry on another replica",
+            code="unavailable",
+            headers={"Retry-After": "1"},
+        )
+    requests = [
+        GenerateRequest(
+            f"{uuid.uuid4().hex}-{i}",
+            prompt,
+            params,
+            priority=priority_for(request, body.priority),
+            deadline=deadline,
+        )
+        for i, (prompt, params) in enumerate(zip(prompts, plans, strict=True))
+    ]
+    try:
+        streams = engine.generate_all(requests)  # every prompt admitted, or none
+    except Exception as exc:
+        raise as_api_error(exc) from None
+    return Job(
+        streams, [len(p) for p in prompts], body.n, num_logprobs, deadline, token_charger(request)
+    )
+
+
+def plan_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    num_logprobs: int | None,
+    prompt_param: str,
+    settings: Any,
+    engine: Any,
+) -> list[SamplingParams]:
+    """Each prompt's sampling parameters, its new-token budget checked against the context, the
+    KV cache and the server's cap (400 naming the field that does not fit)."""
     requested = body.max_tokens
     if requested == 0:  # echo scoring the prompt alone: run one token, answer none
         requested = 1
@@ -377,33 +459,11 @@ def _start(
         )
         for p in prompts
     ]
-    timeout = body.timeout or settings.default_timeout
-    deadline = time.monotonic() + timeout if timeout else None
-    if state.draining:
-        raise APIError(
-            503,
-            "the server is shutting down; retry on another replica",
-            code="unavailable",
-            headers={"Retry-After": "1"},
-        )
     params = to_sampling_params(body, budgets[0], num_logprobs)
-    requests = [
-        GenerateRequest(
-            f"{uuid.uuid4().hex}-{i}",
-            prompt,
-            params if budget == params.max_tokens else params.clone(max_tokens=budget),
-            priority=priority_for(request, body.priority),
-            deadline=deadline,
-        )
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))
+    return [
+        params if budget == params.max_tokens else params.clone(max_tokens=budget)
+        for budget in budgets
     ]
-    try:
-        streams = engine.generate_all(requests)  # every prompt admitted, or none
-    except Exception as exc:
-        raise as_api_error(exc) from None
-    return Job(
-        streams, [len(p) for p in prompts], body.n, num_logprobs, deadline, token_charger(request)
-    )
 
 
 def _sse(
