@@ -63,7 +63,7 @@ def _run_batch(llm: Any, lines: list[BatchLine], folder: Path) -> tuple[float, i
     state.commit()
     write_lines_atomically(folder / "out.jsonl", (r for ok, r in state.records() if ok))
     seconds = time.perf_counter() - start
-    answered, failed = state.counts()
+    _, failed = state.counts()
     state.remove()
     if failed:
         raise SystemExit(f"{failed} batch lines failed")

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from qiao.api import triton_metrics
 from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
+from qiao.api.files import MULTIPART_SLACK_BYTES
+from qiao.api.files import router as files_router
 from qiao.api.keys import KeyLimiter, KeyRing
 from qiao.api.kserve import router as kserve_router
 from qiao.api.metrics import ServerMetrics
@@ -89,6 +91,9 @@ def create_app(
             yield
         finally:
             await manager.shutdown()
+            store = getattr(app.state, "store", None)
+            if store is not None:
+                store.close()
 
     app = FastAPI(title="qiao", version=__version__, lifespan=lifespan)
     app.state.settings = settings
@@ -104,18 +109,23 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(embeddings_router)
     app.include_router(kserve_router)
+    app.include_router(files_router)
     _add_health_routes(app)
 
     app.add_middleware(
         StatusCountMiddleware,
         count=lambda route, status: metrics.http_requests.labels(route, str(status)).inc(),
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        upload_limits={"/v1/files": settings.max_file_bytes + MULTIPART_SLACK_BYTES},
+    )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
         )
     keyring = KeyRing(settings.api_keys(), settings.keys_file)

@@ -133,22 +133,29 @@ def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over `max_bytes` with 413, by Content-Length or while reading."""
+    """Refuse bodies over `max_bytes` with 413, by Content-Length or while reading. POSTs to a
+    path of `upload_limits` (uploads) have that path's limit instead."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, upload_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.upload_limits = upload_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_bytes
+        if scope["method"] == "POST":
+            limit = self.upload_limits.get(scope["path"], limit)
         length = decimal(dict(scope["headers"]).get(b"content-length"))
-        if length is not None and length > self.max_bytes:
+        if length is not None and length > limit:
             await send_error(
                 send,
                 413,
-                f"request body is {length} bytes; the limit is {self.max_bytes}",
+                f"request body is {length} bytes; the limit is {limit}",
                 path=scope["path"],
             )
             return
@@ -159,11 +166,9 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     # The app's error handler turns this into the 413 envelope.
-                    raise HTTPException(
-                        413, f"request body exceeds the limit of {self.max_bytes} bytes"
-                    )
+                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
             return message
 
         await self.app(scope, limited_receive, send)

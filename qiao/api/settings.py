@@ -31,6 +31,11 @@ from qiao.errors import ConfigError
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 
 
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "qiao"
+
+
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QIAO_",
@@ -189,6 +194,16 @@ class ServeSettings(BaseSettings):
     )
     max_timeout: float | None = Field(
         None, gt=0, description="largest per-request timeout accepted (s)"
+    )
+
+    # --- files and batches ---------------------------------------------------------------------
+    data_dir: Path = Field(
+        default_factory=lambda: default_data_dir(),
+        description="where /v1/files keeps uploads (SQLite + contents; default "
+        "$XDG_DATA_HOME/qiao, else ~/.local/share/qiao); created on first use",
+    )
+    max_file_bytes: int = Field(
+        200 * 1000 * 1000, ge=1024, description="largest upload to POST /v1/files, in bytes"
     )
 
     # --- operations ----------------------------------------------------------------------------
