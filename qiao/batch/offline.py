@@ -10,35 +10,24 @@ engine steps.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from qiao.api.embeddings import (
-    EmbeddingRequest,
-    check_dimensions,
-    embedding_body,
-    embedding_token_ids,
+from qiao.api.batch_requests import (
+    LLMLine,
+    embedding_answer,
+    line_error,
+    llm_answer,
+    prepare_embedding,
+    prepare_llm,
 )
-from qiao.api.errors import APIError, as_api_error, validation_message
-from qiao.api.limits import check_request_fields
-from qiao.api.openai_routes import (
-    chat_fields,
-    chat_top_logprobs,
-    completion_choices,
-    completion_prompts,
-    plan_params,
-    prepare_chat,
-)
-from qiao.api.protocol import ChatCompletionRequest, CompletionRequest
-from qiao.api.serving import Job, Sample, fold, usage
+from qiao.api.embeddings import EmbeddingRequest
+from qiao.api.errors import APIError
+from qiao.api.serving import Job, Sample, fold
 from qiao.api.settings import ServeSettings
-from qiao.api.tool_parsers import ToolParsing
-from qiao.batch.lines import BatchLine, LineError, error_line, line_ids, response_line
+from qiao.batch.lines import BatchLine, LineError, error_line
 from qiao.engine.llm_engine import LLMEngine
 from qiao.outputs import RequestOutput
 from qiao.runner.encoder import Encoder
@@ -51,14 +40,19 @@ ResultSink = Callable[[BatchLine, bool, dict[str, Any]], None]
 class _LLMLine:
     """A chat or completions line in the engine: its prompts' requests and their samples."""
 
-    line: BatchLine
-    body: CompletionRequest | ChatCompletionRequest
-    prompts: list[list[int]]
+    prepared: LLMLine
     job: Job
-    parsing: ToolParsing | None
     request_ids: list[str]
     unfinished: set[str]
     samples: dict[int, Sample] = field(default_factory=dict)
+
+    @property
+    def line(self) -> BatchLine:
+        return self.prepared.line
+
+    @property
+    def n(self) -> int:
+        return self.prepared.body.n
 
 
 @dataclass
@@ -137,7 +131,7 @@ class OfflineBatch:
             else:
                 self._admit_llm(line)
         except Exception as exc:
-            self._finish_error(line, _line_error(exc))
+            self._finish_error(line, line_error(exc))
 
     def _admit_llm(self, line: BatchLine) -> None:
         engine = self.engine
@@ -148,34 +142,23 @@ class OfflineBatch:
                 param="model",
                 code="model_not_found",
             )
-        settings = self.settings
-        parsing = None
-        body: CompletionRequest | ChatCompletionRequest
-        if line.url == "/v1/completions":
-            body = _validate(CompletionRequest, line.body)
-            check_request_fields(body, settings)
-            prompts = completion_prompts(body, settings, engine.tokenizer, engine.arch.vocab_size)
-            k, prompt_param = body.logprobs, "prompt"
-        else:
-            body = _validate(ChatCompletionRequest, line.body)
-            check_request_fields(body, settings)
-            body, prompt_ids, parsing = prepare_chat(body, settings, engine.tokenizer)
-            prompts, k, prompt_param = [prompt_ids], chat_top_logprobs(body), "messages"
-        plans = plan_params(body, prompts, k, prompt_param, settings, engine)
-        request_ids = [f"batch-{line.number}-{i}" for i in range(len(prompts))]
+        prepared = prepare_llm(line, self.settings, engine, engine.arch.vocab_size)
+        request_ids = [f"batch-{line.number}-{i}" for i in range(len(prepared.prompts))]
+        priority = prepared.body.priority or 0
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, plans, strict=True):
-                engine.add_request(request_id, prompt, params, priority=body.priority or 0)
+            for request_id, prompt, params in zip(
+                request_ids, prepared.prompts, prepared.params, strict=True
+            ):
+                engine.add_request(request_id, prompt, params, priority=priority)
                 added.append(request_id)
         except Exception:
             engine.abort_request(added)  # every prompt of the line runs, or none
             raise
-        job = Job([], [len(p) for p in prompts], body.n, k)
-        entry = _LLMLine(line, body, prompts, job, parsing, request_ids, set(request_ids))
+        entry = _LLMLine(prepared, prepared.new_job(), request_ids, set(request_ids))
         for request_id in request_ids:
             self._llm[request_id] = entry
-        self._in_flight += len(prompts) * body.n
+        self._in_flight += len(request_ids) * prepared.body.n
 
     def _admit_embedding(self, line: BatchLine) -> None:
         encoder = self.encoder
@@ -186,9 +169,7 @@ class OfflineBatch:
                 param="model",
                 code="model_not_found",
             )
-        body = _validate(EmbeddingRequest, line.body)
-        check_dimensions(body, encoder.dim)
-        token_ids = embedding_token_ids(body, encoder.tokenize, self.settings.max_prompts)
+        body, token_ids = prepare_embedding(line, self.settings, encoder)
         self._embeddings.append(_EmbeddingLine(line, body, token_ids))
 
     # --- generation --------------------------------------------------------------------------
@@ -210,10 +191,10 @@ class OfflineBatch:
             return
         entry.unfinished.discard(output.request_id)
         del self._llm[output.request_id]
-        self._in_flight -= entry.body.n
+        self._in_flight -= entry.n
         if failure is not None:
             self._drop(entry)
-            self._finish_error(entry.line, _line_error(failure))
+            self._finish_error(entry.line, line_error(failure))
         elif not entry.unfinished:
             self._finish_llm(entry)
 
@@ -224,33 +205,15 @@ class OfflineBatch:
         self.engine.abort_request(rest)
         for request_id in rest:
             del self._llm[request_id]
-            self._in_flight -= entry.body.n
+            self._in_flight -= entry.n
         entry.unfinished.clear()
 
     def _finish_llm(self, entry: _LLMLine) -> None:
         samples = [entry.samples[i] for i in sorted(entry.samples)]
         self.generated_tokens += sum(len(s.token_ids) for s in samples)
-        _, request_id = line_ids(self.job_id, entry.line.number)
-        body = entry.body
-        suffix = request_id.removeprefix("req_")
-        base: dict[str, Any] = {"created": int(time.time()), "model": body.model}
-        if isinstance(body, CompletionRequest):
-            tokenizer = self.engine.tokenizer if self.engine is not None else None
-            response = {
-                "id": f"cmpl-{suffix}",
-                "object": "text_completion",
-                **base,
-                "choices": completion_choices(body, entry.prompts, samples, entry.job, tokenizer),
-            }
-        else:
-            response = {
-                "id": f"chatcmpl-{suffix}",
-                "object": "chat.completion",
-                **base,
-                **chat_fields(body, samples, entry.job, entry.parsing),
-            }
-        response["usage"] = usage(entry.job, samples)
-        self._sink(entry.line, True, response_line(self.job_id, entry.line, 200, response))
+        tokenizer = self.engine.tokenizer if self.engine is not None else None
+        record = llm_answer(self.job_id, entry.prepared, samples, entry.job, tokenizer)
+        self._sink(entry.line, True, record)
 
     # --- embeddings --------------------------------------------------------------------------
 
@@ -275,28 +238,14 @@ class OfflineBatch:
                 for entry in chunk:
                     self._encode([entry])
                 return
-            self._finish_error(chunk[0].line, _line_error(exc))
+            self._finish_error(chunk[0].line, line_error(exc))
             return
         start = 0
         for entry in chunk:
             rows = vectors[start : start + len(entry.token_ids)]
             start += len(entry.token_ids)
-            num_tokens = sum(len(ids) for ids in entry.token_ids)
-            body = embedding_body(entry.body, rows, num_tokens)
-            self._sink(entry.line, True, response_line(self.job_id, entry.line, 200, body))
+            record = embedding_answer(self.job_id, entry.line, entry.body, entry.token_ids, rows)
+            self._sink(entry.line, True, record)
 
     def _finish_error(self, line: BatchLine, error: LineError) -> None:
         self._sink(line, False, error_line(self.job_id, line, error))
-
-
-def _validate(model: type[BaseModel], body: dict[str, Any] | None) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise APIError(400, message, param=param) from None
-
-
-def _line_error(exc: Exception) -> LineError:
-    error = as_api_error(exc)
-    return LineError(error.status_code, error.message, error.param, error.code)
