@@ -41,10 +41,12 @@ _TRAINING_TEXT = [
 def _no_user_profiles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Keep the suite hermetic: `LLM(...)` and `qiao serve` (subprocesses inherit the variable)
     look for tuning profiles in an empty directory, never in the developer's. A test that wants
-    a profile points QIAO_PROFILE_DIR at its own. The kernel build cache (QIAO_CACHE_DIR) stays
-    where it is, so kernels are not rebuilt per run."""
+    a profile points QIAO_PROFILE_DIR at its own; QIAO_DATA_DIR likewise. The kernel build
+    cache (QIAO_CACHE_DIR) stays where it is, so kernels are not rebuilt per run."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QIAO_PROFILE_DIR", str(tmp_path_factory.mktemp("no-profiles")))
+        # Nor the developer's files and batches: servers that do not name a --data-dir get one.
+        patch.setenv("QIAO_DATA_DIR", str(tmp_path_factory.mktemp("no-data")))
         yield
 
 

@@ -17,6 +17,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from qiao.api import triton_metrics
+from qiao.api.batches import BatchWorker
+from qiao.api.batches import router as batches_router
 from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
 from qiao.api.files import MULTIPART_SLACK_BYTES
@@ -87,9 +89,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        await app.state.batch_worker.start()
         try:
             yield
         finally:
+            await app.state.batch_worker.stop()
             await manager.shutdown()
             store = getattr(app.state, "store", None)
             if store is not None:
@@ -105,11 +109,13 @@ def create_app(
     app.state.draining = False
     app.state.key_limiter = None
     app.state.keyring = None
+    app.state.batch_worker = BatchWorker(app.state)
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(embeddings_router)
     app.include_router(kserve_router)
     app.include_router(files_router)
+    app.include_router(batches_router)
     _add_health_routes(app)
 
     app.add_middleware(

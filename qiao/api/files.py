@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from qiao.api.errors import APIError, as_api_error
 from qiao.api.keys import key_of
-from qiao.batch.store import FILE_PURPOSES, Store, StoredFile
+from qiao.batch.store import FILE_PURPOSES, BatchStore, StoredFile
 
 router = APIRouter()
 _store_lock = threading.Lock()
@@ -25,15 +25,19 @@ _store_lock = threading.Lock()
 MULTIPART_SLACK_BYTES = 64 * 1024
 
 
-def store_of(request: Request) -> Store:
+def store_of(request: Request) -> BatchStore:
     """The app's store, opened on first use."""
-    state = request.app.state
+    return store_for(request.app.state)
+
+
+def store_for(state: Any) -> BatchStore:
+    """The store of an app's `state`, opened on first use."""
     store = getattr(state, "store", None)
     if store is None:
         with _store_lock:
             store = getattr(state, "store", None)
             if store is None:
-                store = state.store = Store(state.settings.data_dir)
+                store = state.store = BatchStore(state.settings.data_dir)
     return store
 
 

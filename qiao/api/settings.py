@@ -205,6 +205,15 @@ class ServeSettings(BaseSettings):
     max_file_bytes: int = Field(
         200 * 1000 * 1000, ge=1024, description="largest upload to POST /v1/files, in bytes"
     )
+    batch_concurrency: int = Field(1, ge=1, description="batches run at once (/v1/batches)")
+    batch_max_in_flight: int = Field(
+        64, ge=1, description="most lines of one batch in the engine at once"
+    )
+    batch_priority: int = Field(
+        10,
+        description="engine priority of batch lines (smaller is more urgent; online requests "
+        "default to 0)",
+    )
 
     # --- operations ----------------------------------------------------------------------------
     stall_timeout: float = Field(

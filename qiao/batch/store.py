@@ -9,6 +9,7 @@ own files, as an OpenAI project sees only its own.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sqlite3
@@ -225,3 +226,144 @@ class Store:
         for path in self.files_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+# OpenAI's lifecycle: validating → in_progress → finalizing → completed, or failed (the input
+# cannot run), expired (the completion window passed), cancelling → cancelled.
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+FINISHED = ("completed", "failed", "expired", "cancelled")
+_BATCH_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
+    "status TEXT NOT NULL, seq INTEGER NOT NULL, doc TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS batch_results (batch_id TEXT NOT NULL, number INTEGER NOT NULL, "
+    "ok INTEGER NOT NULL, record TEXT NOT NULL, PRIMARY KEY (batch_id, number))",
+)
+
+
+class BatchStore(Store):
+    """The store with batches: each batch one JSON document (OpenAI's Batch object plus qiao's
+    private fields, which start with "_"), its finished lines in `batch_results`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        for statement in _BATCH_SCHEMA:
+            self._db.execute(statement)
+
+    def add_batch(self, owner: str, doc: dict[str, Any]) -> dict[str, Any]:
+        doc = {**doc, "id": f"batch_{secrets.token_hex(12)}", "object": "batch"}
+        with self._lock:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+            self._db.execute(
+                "INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
+                (doc["id"], owner, doc["status"], seq, json.dumps(doc)),
+            )
+        return doc
+
+    def get_batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The batch (of `owner`, unless None: the worker's view)."""
+        query, args = "SELECT doc FROM batches WHERE id = ?", [batch_id]
+        if owner is not None:
+            query += " AND owner = ?"
+            args.append(owner)
+        with self._lock:
+            row = self._db.execute(query, args).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def batch_owner(self, batch_id: str) -> str:
+        with self._lock:
+            row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row else ""
+
+    def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            (text,) = self._db.execute(
+                "SELECT doc FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+            doc = {**json.loads(text), **fields}
+            self._db.execute(
+                "UPDATE batches SET doc = ?, status = ? WHERE id = ?",
+                (json.dumps(doc), doc["status"], batch_id),
+            )
+        return doc
+
+    def list_batches(
+        self, owner: str, *, limit: int = 20, after: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """(a page of batches newest first, whether more follow)."""
+        if not 1 <= limit <= 100:
+            raise ConfigError(f"limit: must be in 1..100, got {limit}", param="limit")
+        where, args = "owner = ?", [owner]
+        with self._lock:
+            if after is not None:
+                row = self._db.execute(
+                    "SELECT seq FROM batches WHERE id = ? AND owner = ?", (after, owner)
+                ).fetchone()
+                if row is None:
+                    raise ConfigError(f"after: no batch {after!r}", param="after")
+                where += " AND seq < ?"
+                args.append(row[0])
+            rows = self._db.execute(
+                f"SELECT doc FROM batches WHERE {where} ORDER BY seq DESC LIMIT ?",
+                (*args, limit + 1),
+            ).fetchall()
+        docs = [json.loads(row[0]) for row in rows]
+        return docs[:limit], len(docs) > limit
+
+    def unfinished_batch_ids(self) -> list[str]:
+        marks = ", ".join("?" * len(UNFINISHED))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", UNFINISHED
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def add_results(self, batch_id: str, rows: list[tuple[int, bool, str]]) -> tuple[int, int]:
+        """Record finished lines (number, answered?, JSON line) once each; returns the batch's
+        (answered, failed) counts after."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO batch_results VALUES (?, ?, ?, ?)",
+                    [(batch_id, number, int(ok), record) for number, ok, record in rows],
+                )
+                counts = self._result_counts(batch_id)
+                (text,) = self._db.execute(
+                    "SELECT doc FROM batches WHERE id = ?", (batch_id,)
+                ).fetchone()
+                doc = json.loads(text)
+                doc["request_counts"] = {**doc["request_counts"], **counts}
+                self._db.execute(
+                    "UPDATE batches SET doc = ? WHERE id = ?", (json.dumps(doc), batch_id)
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return counts["completed"], counts["failed"]
+
+    def _result_counts(self, batch_id: str) -> dict[str, int]:
+        ok, failed = self._db.execute(
+            "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0) FROM batch_results "
+            "WHERE batch_id = ?",
+            (batch_id,),
+        ).fetchone()
+        return {"completed": int(ok), "failed": int(failed)}
+
+    def done_numbers(self, batch_id: str) -> set[int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT number FROM batch_results WHERE batch_id = ?", (batch_id,)
+            ).fetchall()
+        return {row[0] for row in rows}
+
+    def batch_records(self, batch_id: str, ok: bool) -> list[str]:
+        """The JSON lines of the batch's answered (or failed) lines, in input order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM batch_results WHERE batch_id = ? AND ok = ? ORDER BY number",
+                (batch_id, int(ok)),
+            ).fetchall()
+        return [row[0] for row in rows]

@@ -1,0 +1,242 @@
+"""OpenAI's Batch API through the official openai client against a bare `qiao serve` (the demo
+LLM and MiniLM): files.create → batches.create → poll batches.retrieve → files.content, for
+chat, completions and embeddings, with an error file for malformed lines; cancel; a server
+SIGKILLed during a batch resumes it on restart, each line answered exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from .conftest import SubprocessServer, openai_client, wait_until
+
+LLM = "demo_model"
+ENCODER = "all-MiniLM-L6-v2"
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def _line(custom_id: str, url: str, body: dict[str, Any]) -> bytes:
+    entry = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+    return json.dumps(entry).encode() + b"\n"
+
+
+def _serve(data_dir: Path, log: Path, *extra: str) -> SubprocessServer:
+    return SubprocessServer(
+        ["--data-dir", str(data_dir), "--log-interval", "0", *extra], log
+    ).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
+    folder = tmp_path_factory.mktemp("batches")
+    running = _serve(folder / "data", folder / "server.log")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _finish(client: Any, batch_id: str, timeout: float = 120.0) -> Any:
+    done: list[Any] = []
+
+    def terminal() -> bool:
+        done[:] = [client.batches.retrieve(batch_id)]
+        return done[0].status in TERMINAL
+
+    wait_until(terminal, timeout, f"batch {batch_id} to finish", interval=0.1)
+    return done[0]
+
+
+def _content(client: Any, file_id: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_chat_completions_and_embeddings_batches(server: SubprocessServer) -> None:
+    client = openai_client(server.base_url)
+    prompts = ["Once upon a time", "The little dog", "A king"]
+    completions = b"".join(
+        _line(
+            f"c{i}",
+            "/v1/completions",
+            {"model": LLM, "prompt": p, "max_tokens": 12, "temperature": 0},
+        )
+        for i, p in enumerate(prompts)
+    )
+    completions += b"{not json\n"
+    completions += _line("bad", "/v1/completions", {"model": LLM, "prompt": "x", "n": 0})
+    completions += _line("chat-url", "/v1/chat/completions", {"model": LLM, "messages": []})
+    upload = client.files.create(file=("completions.jsonl", completions), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        metadata={"team": "eval"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"team": "eval"}
+    done = _finish(client, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed) == (6, 3)
+    assert done.request_counts.failed == 3
+    assert done.completed_at >= done.in_progress_at >= done.created_at
+    assert done.expires_at == done.created_at + 24 * 3600
+
+    answered = _content(client, done.output_file_id)
+    assert [r["custom_id"] for r in answered] == ["c0", "c1", "c2"]
+    for record, prompt in zip(answered, prompts, strict=True):
+        # The route's own answer to the same body, greedy: the batch must give the same text.
+        direct = client.completions.create(model=LLM, prompt=prompt, max_tokens=12, temperature=0)
+        body = record["response"]["body"]
+        assert record["response"]["status_code"] == 200
+        assert body["choices"][0]["text"] == direct.choices[0].text
+        assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens
+    errors = {r["custom_id"]: r for r in _content(client, done.error_file_id)}
+    assert set(errors) == {None, "bad", "chat-url"}
+    assert errors[None]["error"]["code"] == "invalid_json"
+    assert errors["bad"]["response"]["status_code"] == 400
+    assert errors["bad"]["response"]["body"]["error"]["param"] == "n"
+    assert (
+        "this batch's endpoint is '/v1/completions'"
+        in (errors["chat-url"]["response"]["body"]["error"]["message"])
+    )
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    chat = _line(
+        "hello",
+        "/v1/chat/completions",
+        {"model": LLM, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    )
+    upload = client.files.create(file=("chat.jsonl", chat), purpose="batch")
+    done = _finish(
+        client,
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id,
+    )
+    (record,) = _content(client, done.output_file_id)
+    assert record["custom_id"] == "hello" and done.error_file_id is None
+    message = record["response"]["body"]["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+
+    texts = ["hello world", "a quiet forest"]
+    embed = b"".join(
+        _line(f"e{i}", "/v1/embeddings", {"model": ENCODER, "input": t})
+        for i, t in enumerate(texts)
+    )
+    upload = client.files.create(file=("embed.jsonl", embed), purpose="batch")
+    done = _finish(
+        client,
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
+        ).id,
+    )
+    records = _content(client, done.output_file_id)
+    direct = client.embeddings.create(model=ENCODER, input=texts)
+    for record, want in zip(records, direct.data, strict=True):
+        got = record["response"]["body"]["data"][0]["embedding"]
+        np.testing.assert_allclose(got, want.embedding, atol=1e-5)
+    listed = client.batches.list()
+    assert done.id == listed.data[0].id and len(listed.data) == 3
+
+
+def test_bad_batch_requests_are_4xx(server: SubprocessServer) -> None:
+    client = openai_client(server.base_url)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h"
+        )
+    upload = client.files.create(
+        file=("x.jsonl", _line("a", "/v1/completions", {})), purpose="batch"
+    )
+    with pytest.raises(openai.BadRequestError) as endpoint:
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/images", completion_window="24h"
+        )
+    assert endpoint.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as window:
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="forever"
+        )
+    assert window.value.body["param"] == "completion_window"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_missing")
+
+
+def _many(count: int, max_tokens: int) -> bytes:
+    return b"".join(
+        _line(
+            f"r{i}",
+            "/v1/completions",
+            {"model": LLM, "prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True},
+        )
+        for i in range(count)
+    )
+
+
+def test_cancel_stops_a_batch_and_keeps_what_finished(server: SubprocessServer) -> None:
+    client = openai_client(server.base_url)
+    upload = client.files.create(file=("many.jsonl", _many(400, 64)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed > 0,
+        60,
+        "the first answered lines",
+    )
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = _finish(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    kept = _content(client, done.output_file_id)
+    assert 0 < len(kept) == done.request_counts.completed < 400
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: unchanged
+
+    small = client.files.create(file=("one.jsonl", _many(1, 2)), purpose="batch")
+    finished = client.batches.create(
+        input_file_id=small.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    assert _finish(client, finished.id).status == "completed"
+    with pytest.raises(openai.APIStatusError) as late:
+        client.batches.cancel(finished.id)
+    assert late.value.status_code == 409 and "is completed" in late.value.body["message"]
+
+
+@pytest.mark.slow
+def test_a_killed_server_resumes_its_batch(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = _serve(data, tmp_path / "first.log")
+    client = openai_client(first.base_url)
+    upload = client.files.create(file=("many.jsonl", _many(300, 24)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20,
+        60,
+        "lines answered before the kill",
+    )
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    first.stop()
+    assert (data / "qiao.sqlite").exists()  # the store it resumes from
+
+    second = _serve(data, tmp_path / "second.log")
+    try:
+        client = openai_client(second.base_url)
+        done = _finish(client, batch.id, timeout=180)
+        assert done.status == "completed", done
+        records = _content(client, done.output_file_id)
+        assert [r["custom_id"] for r in records] == [f"r{i}" for i in range(300)]
+        assert done.request_counts.completed == 300 and done.request_counts.failed == 0
+        assert f"batch {batch.id}: resuming" in second.log()
+    finally:
+        second.stop()
+    assert time.time() < done.expires_at
