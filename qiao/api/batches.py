@@ -213,6 +213,11 @@ class BatchWorker:
         self._cancelled: dict[str, asyncio.Event] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
         self._loops: list[asyncio.Task[None]] = []
+        self.metrics = app_state.metrics
+        # Batches by status for /metrics, once the store is open (a scrape never opens it).
+        self.metrics.batch_jobs = lambda: (
+            app_state.store.batch_counts() if getattr(app_state, "store", None) else {}
+        )
 
     @property
     def store(self) -> BatchStore:
@@ -365,6 +370,9 @@ class BatchWorker:
             rows = list(results)
             results.clear()
             self.store.add_results(batch_id, rows)
+            answered = sum(1 for _, ok, _ in rows if ok)
+            self.metrics.batch_lines.labels("answered").inc(answered)
+            self.metrics.batch_lines.labels("failed").inc(len(rows) - answered)
 
     async def _run_line(self, doc: dict[str, Any], line: BatchLine) -> tuple[bool, str]:
         batch_id = doc["id"]
@@ -379,6 +387,8 @@ class BatchWorker:
             if error.status == 503:
                 raise _Transient from None
             return False, json.dumps(error_line(batch_id, line, error))
+        tokens = record["response"]["body"].get("usage", {}).get("completion_tokens", 0)
+        self.metrics.batch_generation_tokens.inc(tokens)
         return True, json.dumps(record, ensure_ascii=False)
 
     async def _answer(self, doc: dict[str, Any], line: BatchLine) -> dict[str, Any]:

@@ -212,6 +212,19 @@ class ServerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
+        # The Batch API (/v1/batches): lines by outcome, their generated tokens, jobs by status.
+        self.batch_lines = Counter(
+            "qiao:batch_lines",
+            "Batch lines recorded, by outcome (answered or failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.batch_generation_tokens = Counter(
+            "qiao:batch_generation_tokens", "Tokens generated for batch lines.", registry=r
+        )
+        # Set by the batch worker: batches per status, read at scrape time.
+        self.batch_jobs: Callable[[], dict[str, int]] = dict
+        r.register(_BatchJobsCollector(lambda: self.batch_jobs()))
         # The latest batch observer of each encoder version (model, version).
         self._batch_observers: dict[tuple[str, str], BatchObserver] = {}
         r.register(_EngineCollector(llm_versions, self._encoder_stats))
@@ -308,6 +321,31 @@ class BatchObserver:
     def watch_engine(self, stats: Callable[[], dict[str, Any]] | None) -> None:
         """Export `stats()` from now on (None: no longer; the version stopped)."""
         self.engine = stats
+
+
+class _BatchJobsCollector(Collector):
+    """`qiao:batch_jobs{status}`: batches in each of OpenAI's states, 0 included."""
+
+    STATUSES = (
+        "validating",
+        "in_progress",
+        "finalizing",
+        "completed",
+        "failed",
+        "expired",
+        "cancelling",
+        "cancelled",
+    )
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterable[Any]:
+        counts = self.counts()
+        family = GaugeMetricFamily("qiao:batch_jobs", "Batches by status.", labels=["status"])
+        for status in self.STATUSES:
+            family.add_metric([status], counts.get(status, 0))
+        yield family
 
 
 class _EngineCollector(Collector):

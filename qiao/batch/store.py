@@ -311,6 +311,12 @@ class BatchStore(Store):
         docs = [json.loads(row[0]) for row in rows]
         return docs[:limit], len(docs) > limit
 
+    def batch_counts(self) -> dict[str, int]:
+        """Batches per status."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status")
+            return dict(rows.fetchall())
+
     def unfinished_batch_ids(self) -> list[str]:
         marks = ", ".join("?" * len(UNFINISHED))
         with self._lock:

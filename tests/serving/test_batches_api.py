@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
 
-from .conftest import SubprocessServer, openai_client, wait_until
+from .conftest import SubprocessServer, openai_client, parse_metrics, wait_until
 
 LLM = "demo_model"
 ENCODER = "all-MiniLM-L6-v2"
@@ -120,9 +121,9 @@ def test_chat_completions_and_embeddings_batches(server: SubprocessServer) -> No
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         ).id,
     )
-    (record,) = _content(client, done.output_file_id)
-    assert record["custom_id"] == "hello" and done.error_file_id is None
-    message = record["response"]["body"]["choices"][0]["message"]
+    (chat_record,) = _content(client, done.output_file_id)
+    assert chat_record["custom_id"] == "hello" and done.error_file_id is None
+    message = chat_record["response"]["body"]["choices"][0]["message"]
     assert message["role"] == "assistant" and isinstance(message["content"], str)
 
     texts = ["hello world", "a quiet forest"]
@@ -144,6 +145,16 @@ def test_chat_completions_and_embeddings_batches(server: SubprocessServer) -> No
         np.testing.assert_allclose(got, want.embedding, atol=1e-5)
     listed = client.batches.list()
     assert done.id == listed.data[0].id and len(listed.data) == 3
+
+    metrics = parse_metrics(httpx.get(f"{server.base_url}/metrics").text)
+    assert metrics[("qiao:batch_jobs", (("status", "completed"),))] == 3
+    assert metrics[("qiao:batch_jobs", (("status", "in_progress"),))] == 0
+    assert metrics[("qiao:batch_lines_total", (("outcome", "answered"),))] == 6
+    assert metrics[("qiao:batch_lines_total", (("outcome", "failed"),))] == 3
+    generated = sum(
+        r["response"]["body"]["usage"]["completion_tokens"] for r in [*answered, chat_record]
+    )
+    assert metrics[("qiao:batch_generation_tokens_total", ())] == generated
 
 
 def test_bad_batch_requests_are_4xx(server: SubprocessServer) -> None:
