@@ -43,6 +43,7 @@ from qiao.api.files import owner_of, store_for, store_of
 from qiao.api.keys import key_of
 from qiao.api.openai_routes import split_model_id
 from qiao.api.serving import Sample, close_all, fold, merged
+from qiao.api.webhooks import Notifier, check_target, new_event
 from qiao.batch.lines import ENDPOINTS, BatchLine, error_line, read_lines
 from qiao.batch.store import FINISHED, BatchStore
 from qiao.engine.async_engine import GenerateRequest
@@ -97,6 +98,12 @@ async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
             "metadata: at most 16 pairs, keys up to 64 and values up to 512 characters",
             param="metadata",
         )
+    target = (metadata or {}).get("webhook_url")
+    if target is not None:
+        try:
+            check_target(target, request.app.state.settings.webhook_allowed_hosts)
+        except Exception as exc:
+            raise as_api_error(exc) from None
     source = store_of(request).get_file(owner_of(request), body.input_file_id)
     if source is None:
         raise APIError(
@@ -132,6 +139,7 @@ async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
         "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": metadata,
+        "webhook_deliveries": [],  # qiao: every delivery attempt of the end event
         # The models the creating key may use, checked again for every line.
         "_models": key.models if key is not None else None,
     }
@@ -166,21 +174,26 @@ async def retrieve_batch(request: Request, batch_id: str) -> dict[str, Any]:
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    _owned_batch(request, batch_id)
+    store = store_of(request)
+
+    def cancelling(doc: dict[str, Any]) -> None:
+        if doc["status"] in ("validating", "in_progress"):  # checked under the store's lock
+            doc["status"] = "cancelling"
+            doc["cancelling_at"] = int(time.time())
+
+    store.change_batch(batch_id, cancelling)
     doc = _owned_batch(request, batch_id)
-    if doc["status"] in ("cancelling", "cancelled"):
-        return _public(doc)
-    if doc["status"] not in ("validating", "in_progress"):
+    if doc["status"] not in ("cancelling", "cancelled"):
         raise APIError(
             409,
             f"batch {batch_id!r} is {doc['status']}; only a validating or in_progress batch "
             "can be cancelled",
             code="batch_not_cancellable",
         )
-    doc = store_of(request).update_batch(
-        batch_id, status="cancelling", cancelling_at=int(time.time())
-    )
-    logger.info("batch %s: cancelling", batch_id)
-    worker(request).cancel(batch_id)
+    if doc["status"] == "cancelling":
+        logger.info("batch %s: cancelling", batch_id)
+        worker(request).cancel(batch_id)
     return _public(doc)
 
 
@@ -213,6 +226,12 @@ class BatchWorker:
         self._cancelled: dict[str, asyncio.Event] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
         self._loops: list[asyncio.Task[None]] = []
+        self.notifier = Notifier(
+            self.settings.webhook_secret,
+            max_attempts=self.settings.webhook_max_attempts,
+            retry_base_s=self.settings.webhook_retry_base,
+        )
+        self._deliveries: set[asyncio.Task[None]] = set()
         self.metrics = app_state.metrics
         # Batches by status for /metrics, once the store is open (a scrape never opens it).
         self.metrics.batch_jobs = lambda: (
@@ -231,12 +250,15 @@ class BatchWorker:
             for batch_id in self.store.unfinished_batch_ids():
                 logger.info("batch %s: resuming", batch_id)
                 self.submit(batch_id)
+            for doc in self.store.batches_with_pending_webhooks():
+                self._deliver_pending(doc)
 
     async def stop(self) -> None:
         """Stop at once: lines in flight are not recorded and run again on the next start."""
-        for task in [*self._loops, *self._running.values()]:
+        tasks = [*self._loops, *self._running.values(), *self._deliveries]
+        for task in tasks:
             task.cancel()
-        for task in [*self._loops, *self._running.values()]:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
@@ -275,13 +297,16 @@ class BatchWorker:
         if lines is None:
             return
         if doc["status"] == "validating":
-            doc = store.update_batch(
-                batch_id,
-                status="in_progress",
-                in_progress_at=int(time.time()),
-                request_counts={"total": len(lines), "completed": 0, "failed": 0},
-            )
-            logger.info("batch %s: in_progress (%d lines)", batch_id, len(lines))
+
+            def begin(doc: dict[str, Any]) -> None:
+                if doc["status"] == "validating":  # not cancelled meanwhile
+                    doc["status"] = "in_progress"
+                    doc["in_progress_at"] = int(time.time())
+                doc["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
+
+            store.change_batch(batch_id, begin)
+            doc = store.get_batch(batch_id) or doc
+            logger.info("batch %s: %s (%d lines)", batch_id, doc["status"], len(lines))
         if doc["status"] == "in_progress":
             end = await self._run_lines(doc, lines)
         else:
@@ -469,6 +494,7 @@ class BatchWorker:
             **{stamp[end]: int(time.time())},
         )
         self._cancelled.pop(batch_id, None)
+        self._notify(batch_id, end)
         counts = doc["request_counts"]
         logger.info(
             "batch %s: %s (%d answered, %d failed of %d)",
@@ -487,3 +513,64 @@ class BatchWorker:
             errors={"object": "list", "data": [{"code": code, "message": message, "line": None}]},
         )
         logger.info("batch %s: failed (%s)", batch_id, message)
+        self._notify(batch_id, "failed")
+
+    # --- notification ------------------------------------------------------------------------
+
+    def _notify(self, batch_id: str, status: str) -> None:
+        """Start delivering the batch's end event to the server's and the batch's URLs."""
+        doc = self.store.get_batch(batch_id)
+        assert doc is not None
+        targets = [self.settings.webhook_url, (doc.get("metadata") or {}).get("webhook_url")]
+        urls = list(dict.fromkeys(url for url in targets if url))
+        if not urls:
+            return
+        event = new_event(batch_id, status)
+
+        def pending(doc: dict[str, Any]) -> None:
+            doc["_webhook_event"] = event
+            doc["_webhook_pending"] = urls
+
+        self.store.change_batch(batch_id, pending)
+        self._deliver_pending({**doc, "_webhook_event": event, "_webhook_pending": urls})
+
+    def _deliver_pending(self, doc: dict[str, Any]) -> None:
+        batch_id, event = doc["id"], doc["_webhook_event"]
+        for url in doc["_webhook_pending"]:
+            target = self._target(url)
+            tried = sum(1 for d in doc.get("webhook_deliveries", []) if d["target"] == target)
+            task = asyncio.ensure_future(self._deliver(batch_id, url, event, tried + 1))
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+
+    def _target(self, url: str) -> str:
+        """ "server" for --webhook-url, "metadata" for the batch's own webhook_url."""
+        return "server" if url == self.settings.webhook_url else "metadata"
+
+    async def _deliver(self, batch_id: str, url: str, event: dict[str, Any], first: int) -> None:
+        store = self.store
+
+        target = self._target(url)
+
+        def record(attempt: dict[str, Any]) -> None:
+            # The server-wide URL is the operator's: users see that it was tried, not where.
+            attempt = {"target": target, **attempt}
+            if target == "server":
+                attempt["url"] = None
+            store.change_batch(
+                batch_id, lambda doc: doc.setdefault("webhook_deliveries", []).append(attempt)
+            )
+
+        delivered = await self.notifier.deliver(url, event, first, record)
+
+        def done(doc: dict[str, Any]) -> None:
+            doc["_webhook_pending"] = [u for u in doc.get("_webhook_pending", []) if u != url]
+
+        store.change_batch(batch_id, done)
+        logger.info(
+            "batch %s: %s %s to %s",
+            batch_id,
+            event["type"],
+            "delivered" if delivered else "not delivered (attempts exhausted)",
+            url,
+        )

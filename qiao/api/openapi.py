@@ -92,7 +92,8 @@ _SCHEMAS: dict[str, Any] = {
 _WHY = {
     400: "Bad request: a field, tensor or header is invalid (the message names it)",
     401: "Missing or invalid API key",
-    404: "Unknown model or version",
+    404: "Unknown model, version, file or batch",
+    409: "The batch's state does not allow this (e.g. cancelling a finished batch)",
     408: "The request passed its `timeout`",
     403: "This API key may not use the model",
     413: "Request body over --max-request-bytes",
@@ -123,6 +124,12 @@ _ROUTE_STATUSES: dict[tuple[str, str], set[int]] = {
     ("get", "/health"): {503},
     ("get", "/ping"): {503},
     ("get", "/v1/models/{model_id}"): {404},
+    ("get", "/v1/files/{file_id}"): {404},
+    ("get", "/v1/files/{file_id}/content"): {404},
+    ("delete", "/v1/files/{file_id}"): {404},
+    ("post", "/v1/batches"): {404},
+    ("get", "/v1/batches/{batch_id}"): {404},
+    ("post", "/v1/batches/{batch_id}/cancel"): {404, 409},
 }
 
 
@@ -198,6 +205,9 @@ def _success(path: str, method: str, operation: dict[str, Any]) -> dict[str, Any
             }
         }
         response["description"] = "The response, or an SSE stream of chunks when `stream` is true"
+    elif path == "/v1/files/{file_id}/content":
+        response["content"] = {"application/octet-stream": {"schema": {"type": "string"}}}
+        response["description"] = "The file's content"
     elif path.endswith("/infer"):
         content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
         response["description"] = (

@@ -205,6 +205,21 @@ class ServeSettings(BaseSettings):
     max_file_bytes: int = Field(
         200 * 1000 * 1000, ge=1024, description="largest upload to POST /v1/files, in bytes"
     )
+    webhook_url: str | None = Field(
+        None, description="POST every batch's end event here (Standard Webhooks)"
+    )
+    webhook_secret: str | None = Field(
+        None, description="whsec_<base64> key that signs webhook deliveries"
+    )
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts (host or host:port) a batch's metadata.webhook_url may name "
+        "(repeatable; env: comma-separated; default: none)",
+    )
+    webhook_max_attempts: int = Field(5, ge=1, description="deliveries tried per event")
+    webhook_retry_base: float = Field(
+        1.0, gt=0, description="seconds before the first retry, doubled for each next one"
+    )
     batch_concurrency: int = Field(1, ge=1, description="batches run at once (/v1/batches)")
     batch_max_in_flight: int = Field(
         64, ge=1, description="most lines of one batch in the engine at once"
@@ -263,7 +278,9 @@ class ServeSettings(BaseSettings):
     )
     config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
 
-    @field_validator("api_key", "cors_origins", "load_model", mode="before")
+    @field_validator(
+        "api_key", "cors_origins", "load_model", "webhook_allowed_hosts", mode="before"
+    )
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -348,6 +365,10 @@ class ServeSettings(BaseSettings):
         """Refuse empty or weak secrets, and a public bind without an API key unless explicitly
         told it is fine."""
         api_keys = self.api_keys()  # checks every key, whatever the bind
+        if self.webhook_secret is not None:
+            from qiao.api.webhooks import secret_key
+
+            secret_key(self.webhook_secret)
         if self.keys_file is not None:
             from qiao.api.keys import load_keys_file
 

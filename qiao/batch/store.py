@@ -15,7 +15,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -287,6 +287,28 @@ class BatchStore(Store):
                 (json.dumps(doc), doc["status"], batch_id),
             )
         return doc
+
+    def change_batch(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> None:
+        """Apply `change` to the batch's document in place, atomically (no update is lost to
+        another one running beside it)."""
+        with self._lock:
+            (text,) = self._db.execute(
+                "SELECT doc FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+            doc = json.loads(text)
+            change(doc)
+            self._db.execute(
+                "UPDATE batches SET doc = ?, status = ? WHERE id = ?",
+                (json.dumps(doc), doc["status"], batch_id),
+            )
+
+    def batches_with_pending_webhooks(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT doc FROM batches WHERE "
+                "json_array_length(json_extract(doc, '$._webhook_pending')) > 0 ORDER BY seq"
+            ).fetchall()
+        return [json.loads(row[0]) for row in rows]
 
     def list_batches(
         self, owner: str, *, limit: int = 20, after: str | None = None

@@ -169,11 +169,11 @@ def script(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _render(tools_model_dir: Path, **body: Any) -> str:
-    from qiao.api.openai_routes import _render_chat
+    from qiao.api.openai_routes import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(str(tools_model_dir))
     request = ChatCompletionRequest(model=MODEL, **body)
-    return tokenizer.decode(_render_chat(request, tokenizer))
+    return tokenizer.decode(render_chat(request, tokenizer))
 
 
 def test_prompt_holds_the_tools_and_the_tool_turns(tools_model_dir: Path) -> None:
