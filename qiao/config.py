@@ -110,9 +110,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Requests at this priority or less urgent (a larger number) are background work (batch
+    # lines): queued behind every other request whatever the policy, preempted first, and given
+    # at most `background_share` of a step's sequences and tokens, so the rest stays free for
+    # online requests. None: no request is background.
+    background_priority: int | None = None
+    background_share: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(0.0 < self.background_share <= 1.0, "background_share", "must be in (0, 1]")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(
             self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}"
@@ -149,6 +156,8 @@ class EngineConfig:
         kv_cache_dtype: str = "auto",
         prefix_cache_reserve: float = 1.0,
         scheduling_policy: str = "fcfs",
+        background_priority: int | None = None,
+        background_share: float = 1.0,
         seed: int = 0,
         device: str = "auto",
         skip_tokenizer_init: bool = False,
@@ -180,6 +189,8 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
                 policy=scheduling_policy,
+                background_priority=background_priority,
+                background_share=background_share,
             ),
             device=device,
             cuda_graphs=cuda_graphs,

@@ -555,3 +555,52 @@ def test_tiny_pool_runs_every_request_as_it_would_alone(
             assert request.output_token_ids == expected[req_id][: request.num_output_tokens]
         else:
             assert request.output_token_ids == expected[req_id], req_id
+
+
+def _background_scheduler(share: float, max_num_seqs: int = 4, budget: int = 32) -> Scheduler:
+    bm = BlockManager(256, BLOCK, enable_prefix_caching=False)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        background_priority=10,
+        background_share=share,
+    )
+    return Scheduler(config, bm)
+
+
+def test_background_requests_keep_to_their_share_and_queue_behind_online_ones():
+    sched = _background_scheduler(0.5)  # at most 2 of 4 seats, 16 of 32 tokens
+    batch = [make_request([1, 2, 3, 4], max_tokens=50, priority=10) for _ in range(6)]
+    for request in batch:
+        sched.add_request(request)
+    out = step(sched)
+    assert sum(s.request.priority == 10 for s in out.scheduled) == 2  # seats left free
+    assert out.num_scheduled_tokens == 8
+    # An online request arriving after the batch is admitted at once (fcfs notwithstanding),
+    # into a seat the batch may not take.
+    online = make_request([5, 6, 7], max_tokens=4)
+    sched.add_request(online)
+    out = step(sched)
+    assert online.request_id in {s.request.request_id for s in out.scheduled}
+    assert sum(r.priority == 10 for r in sched.running) == 2
+    # Background prefill is chunked to the background token share.
+    long_batch = _background_scheduler(1.0, budget=8)
+    long_batch.add_request(make_request(list(range(1, 21)), priority=10))
+    assert step(long_batch).num_scheduled_tokens == 8
+    half = _background_scheduler(0.5, budget=8)
+    half.add_request(make_request(list(range(1, 21)), priority=10))
+    assert step(half).num_scheduled_tokens == 4
+
+
+def test_background_requests_are_preempted_before_online_ones():
+    bm = BlockManager(6, BLOCK, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, background_priority=10)
+    sched = Scheduler(config, bm)
+    background = make_request([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=20, priority=10)
+    online = make_request([9, 10, 11, 12, 13, 14, 15, 16], max_tokens=20)
+    sched.add_request(online)
+    sched.add_request(background)
+    for _ in range(8):  # both grow until the pool of 6 blocks cannot hold both
+        step(sched)
+    assert background.status == RequestStatus.PREEMPTED or background.num_preemptions > 0
+    assert online.status == RequestStatus.RUNNING and online.num_preemptions == 0

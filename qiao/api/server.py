@@ -80,6 +80,8 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
         settings.model_path,
         **kwargs,
         scheduling_policy=settings.scheduling_policy,
+        background_priority=settings.batch_priority,
+        background_share=settings.batch_share,
         cuda_graphs=settings.cuda_graphs_choice,
     )
     return config, num_threads
@@ -229,6 +231,7 @@ def build_app(settings: ServeSettings) -> Any:
                 seed=settings.seed,
                 in_process_engine=settings.in_process_engine,
                 log_level=settings.log_level.upper(),
+                background=(settings.batch_priority, settings.batch_share),
             ),
             root,
             mode=settings.model_control_mode,

@@ -226,8 +226,14 @@ class ServeSettings(BaseSettings):
     )
     batch_priority: int = Field(
         10,
-        description="engine priority of batch lines (smaller is more urgent; online requests "
-        "default to 0)",
+        description="engine priority of batch lines; requests at it or above are background "
+        "work, queued behind online ones (smaller is more urgent; online requests default to 0)",
+    )
+    batch_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="most of an engine step's sequences and tokens background work may take",
     )
 
     # --- operations ----------------------------------------------------------------------------

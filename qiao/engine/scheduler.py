@@ -40,7 +40,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # (sort key, tie-break, request): the smallest key is admitted first; the n samples of
         # one prompt share a key and keep their insertion order.
-        self.waiting: list[tuple[tuple[int, int], int, Request]] = []
+        self.waiting: list[tuple[tuple[int, int, int], int, Request]] = []
         self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -49,6 +49,7 @@ class Scheduler:
         self.step_seq_cap: int | None = None
         self._steps_under_cap = 0
         self._cap_growth_steps = CAP_GROWTH_STEPS
+        self._background_tokens = 0  # background tokens scheduled in the step being built
 
     @property
     def num_waiting(self) -> int:
@@ -83,13 +84,29 @@ class Scheduler:
         self.step_token_cap, self.step_seq_cap = tokens, seqs
         self._steps_under_cap = 0
 
+    def is_background(self, request: Request) -> bool:
+        threshold = self.config.background_priority
+        return threshold is not None and request.priority >= threshold
+
+    def _key(self, request: Request) -> tuple[int, int, int]:
+        """Smaller is admitted first and preempted last: foreground before background, then
+        the policy's order."""
+        return (int(self.is_background(request)), *request.sort_key(self.use_priority))
+
+    def _background_limits(self, full_budget: int, max_seqs: int) -> tuple[int, int]:
+        """(sequences, tokens) background requests may take in one step."""
+        share = self.config.background_share
+        return max(1, int(share * max_seqs)), max(1, int(share * full_budget))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         full_budget, max_seqs = self._step_budget()
         budget = full_budget
+        _, background_token_limit = self._background_limits(full_budget, max_seqs)
+        self._background_tokens = 0
         scheduled: dict[str, ScheduledRequest] = {}
         while len(self.running) > min(budget, max_seqs):  # under an out-of-memory cap
-            victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
+            victim = max(self.running, key=self._key)
             self._preempt(victim, scheduled, out)
         for request in list(self.running):
             if budget == 0:
@@ -97,6 +114,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            background = self.is_background(request)
+            if background:
+                num_new = min(num_new, background_token_limit - self._background_tokens)
+                if num_new <= 0:
+                    continue  # the background share of this step is spent
             allocated, given_back = self._allocate_or_preempt(request, num_new, scheduled, out)
             # Victims scheduled earlier in this loop hand their tokens back to the budget.
             budget += given_back
@@ -104,8 +126,10 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
+            if background:
+                self._background_tokens += num_new
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(budget, scheduled, max_seqs)
+            budget = self._admit_waiting(budget, scheduled, max_seqs, full_budget)
         out.scheduled = list(scheduled.values())
         out.num_scheduled_tokens = full_budget - budget
         return out
@@ -189,7 +213,7 @@ class Scheduler:
         were already scheduled in this step)."""
         given_back = 0
         while not self.block_manager.allocate_slots(request, num_new):
-            victim = max(self.running, key=lambda r: r.sort_key(self.use_priority))
+            victim = max(self.running, key=self._key)
             given_back += self._preempt(victim, scheduled, out)
             if victim is request:
                 return False, given_back
@@ -213,20 +237,32 @@ class Scheduler:
         return 0 if dropped is None else len(dropped.token_ids)
 
     def _admit_waiting(
-        self, budget: int, scheduled: dict[str, ScheduledRequest], max_seqs: int
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        max_seqs: int,
+        full_budget: int,
     ) -> int:
+        seq_limit, token_limit = self._background_limits(full_budget, max_seqs)
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0][2]
+            background = self.is_background(request)
+            allowance = budget
+            if background:  # every request behind it is background too
+                running = sum(1 for r in self.running if self.is_background(r))
+                allowance = min(budget, token_limit - self._background_tokens)
+                if running >= seq_limit or allowance <= 0:
+                    break
             if request.needs_prompt_logprobs:  # every prompt position must be computed
                 hits, num_hit_tokens = [], 0
             else:
                 hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
-            if num_new > budget:
+            if num_new > allowance:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = allowance
             if not self.block_manager.allocate_slots(request, num_new, hits):
                 request.num_computed_tokens = 0
                 break
@@ -238,6 +274,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
+            if background:
+                self._background_tokens += num_new
         return budget
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -261,6 +299,4 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(
-            self.waiting, (request.sort_key(self.use_priority), next(self._tiebreak), request)
-        )
+        heapq.heappush(self.waiting, (self._key(request), next(self._tiebreak), request))

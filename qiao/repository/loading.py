@@ -31,10 +31,13 @@ class VersionBuilder:
         seed: int = 0,
         in_process_engine: bool = False,
         log_level: str = "INFO",
+        background: tuple[int, float] | None = None,
     ) -> None:
         """Versions run in their own supervised process (an LLM's engine, an encoder), unless
-        `in_process_engine` (an LLM engine's thread, an encoder in its batcher's thread)."""
+        `in_process_engine` (an LLM engine's thread, an encoder in its batcher's thread).
+        `background`: (priority, share) of the LLM engines' background work (batch lines)."""
         self.limits = limits
+        self.background = background
         self.seed = seed
         self.in_process_engine = in_process_engine
         self.log_level = log_level
@@ -100,6 +103,8 @@ class VersionBuilder:
         kwargs: dict[str, Any] = config.engine_kwargs()
         if config.llm is None or "seed" not in config.llm.model_fields_set:
             kwargs["seed"] = self.seed
+        if self.background is not None:
+            kwargs["background_priority"], kwargs["background_share"] = self.background
         engine_config = EngineConfig.create(str(vdir.path), **kwargs)
         limits = dataclasses.replace(self.limits, breaker=self.breaker_config(entry))
         if self.in_process_engine:
