@@ -111,9 +111,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     # Requests at this priority or less urgent (a larger number) are background work (batch
-    # lines): queued behind every other request whatever the policy, preempted first, and given
-    # at most `background_share` of a step's sequences and tokens, so the rest stays free for
-    # online requests. None: no request is background.
+    # lines): queued behind every other request whatever the policy, preempted first, and, while
+    # any other request runs or waits, given at most `background_share` of a step's sequences
+    # and tokens (the others wait, keeping their cache); with no other request they take the
+    # whole step. None: no request is background.
     background_priority: int | None = None
     background_share: float = 1.0
 

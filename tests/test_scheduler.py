@@ -568,28 +568,39 @@ def _background_scheduler(share: float, max_num_seqs: int = 4, budget: int = 32)
     return Scheduler(config, bm)
 
 
-def test_background_requests_keep_to_their_share_and_queue_behind_online_ones():
-    sched = _background_scheduler(0.5)  # at most 2 of 4 seats, 16 of 32 tokens
+def test_background_requests_use_spare_capacity_and_yield_to_online_ones():
+    sched = _background_scheduler(0.5)  # while others run: 2 of 4 seats, 16 of 32 tokens
     batch = [make_request([1, 2, 3, 4], max_tokens=50, priority=10) for _ in range(6)]
     for request in batch:
         sched.add_request(request)
     out = step(sched)
-    assert sum(s.request.priority == 10 for s in out.scheduled) == 2  # seats left free
-    assert out.num_scheduled_tokens == 8
-    # An online request arriving after the batch is admitted at once (fcfs notwithstanding),
-    # into a seat the batch may not take.
-    online = make_request([5, 6, 7], max_tokens=4)
+    assert len(out.scheduled) == 4  # nothing else to run: the batch takes every seat
+    # An online request arriving after the batch: one background request is preempted to seat
+    # it, and it runs ahead of the waiting batch lines (fcfs notwithstanding).
+    online = make_request([5, 6, 7], max_tokens=8)
     sched.add_request(online)
     out = step(sched)
+    assert len(out.preempted_req_ids) == 1
+    out = step(sched)
     assert online.request_id in {s.request.request_id for s in out.scheduled}
-    assert sum(r.priority == 10 for r in sched.running) == 2
-    # Background prefill is chunked to the background token share.
-    long_batch = _background_scheduler(1.0, budget=8)
-    long_batch.add_request(make_request(list(range(1, 21)), priority=10))
-    assert step(long_batch).num_scheduled_tokens == 8
-    half = _background_scheduler(0.5, budget=8)
-    half.add_request(make_request(list(range(1, 21)), priority=10))
-    assert step(half).num_scheduled_tokens == 4
+    assert sum(s.request.priority == 10 for s in out.scheduled) == 2
+    while online.status == RequestStatus.RUNNING:
+        out = step(sched)
+        assert sum(s.request.priority == 10 for s in out.scheduled) <= 2
+    # Online work done: the batch takes the whole step again.
+    assert sum(s.request.priority == 10 for s in step(sched).scheduled) == 4
+
+
+def test_background_prefill_is_chunked_to_its_token_share():
+    alone = _background_scheduler(0.5, budget=8)
+    alone.add_request(make_request(list(range(1, 21)), priority=10))
+    assert step(alone).num_scheduled_tokens == 8  # alone: the whole budget
+    shared = _background_scheduler(0.5, budget=8)
+    shared.add_request(make_request([1, 2], max_tokens=30))  # an online request, decoding
+    step(shared)
+    shared.add_request(make_request(list(range(1, 21)), priority=10))
+    out = step(shared)
+    assert sum(len(s.token_ids) for s in out.scheduled if s.request.priority == 10) == 4
 
 
 def test_background_requests_are_preempted_before_online_ones():

@@ -230,10 +230,11 @@ class ServeSettings(BaseSettings):
         "work, queued behind online ones (smaller is more urgent; online requests default to 0)",
     )
     batch_share: float = Field(
-        0.5,
+        0.25,
         gt=0,
         le=1,
-        description="most of an engine step's sequences and tokens background work may take",
+        description="most of an engine step's sequences and tokens background work may take "
+        "while online requests run or wait (alone it takes the whole step)",
     )
 
     # --- operations ----------------------------------------------------------------------------

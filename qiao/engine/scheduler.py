@@ -94,20 +94,47 @@ class Scheduler:
         return (int(self.is_background(request)), *request.sort_key(self.use_priority))
 
     def _background_limits(self, full_budget: int, max_seqs: int) -> tuple[int, int]:
-        """(sequences, tokens) background requests may take in one step."""
+        """(sequences, tokens) background requests may take in this step: all of them while
+        no other request runs or waits (the spare capacity), else their share."""
+        foreground = (self.waiting and not self.is_background(self.waiting[0][2])) or any(
+            not self.is_background(r) for r in self.running
+        )
+        if not foreground:
+            return max_seqs, full_budget
         share = self.config.background_share
         return max(1, int(share * max_seqs)), max(1, int(share * full_budget))
+
+    def _make_room_for_foreground(
+        self,
+        background_seq_limit: int,
+        max_seqs: int,
+        scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+    ) -> None:
+        """A request waits while background work holds every seat (it took them while there was
+        nothing else): preempt background requests down to their share."""
+        if not self.waiting or self.is_background(self.waiting[0][2]):
+            return
+        while len(self.running) >= max_seqs:
+            background = [r for r in self.running if self.is_background(r)]
+            if len(background) <= background_seq_limit:
+                return
+            self._preempt(max(background, key=self._key), scheduled, out)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         full_budget, max_seqs = self._step_budget()
         budget = full_budget
-        _, background_token_limit = self._background_limits(full_budget, max_seqs)
+        background_seq_limit, background_token_limit = self._background_limits(
+            full_budget, max_seqs
+        )
         self._background_tokens = 0
+        background_seqs = 0
         scheduled: dict[str, ScheduledRequest] = {}
         while len(self.running) > min(budget, max_seqs):  # under an out-of-memory cap
             victim = max(self.running, key=self._key)
             self._preempt(victim, scheduled, out)
+        self._make_room_for_foreground(background_seq_limit, max_seqs, scheduled, out)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -117,8 +144,8 @@ class Scheduler:
             background = self.is_background(request)
             if background:
                 num_new = min(num_new, background_token_limit - self._background_tokens)
-                if num_new <= 0:
-                    continue  # the background share of this step is spent
+                if num_new <= 0 or background_seqs >= background_seq_limit:
+                    continue  # the background share of this step is spent: it waits
             allocated, given_back = self._allocate_or_preempt(request, num_new, scheduled, out)
             # Victims scheduled earlier in this loop hand their tokens back to the budget.
             budget += given_back
@@ -128,6 +155,7 @@ class Scheduler:
             budget -= num_new
             if background:
                 self._background_tokens += num_new
+                background_seqs += 1
         if not out.preempted_req_ids:
             budget = self._admit_waiting(budget, scheduled, max_seqs, full_budget)
         out.scheduled = list(scheduled.values())
@@ -250,6 +278,8 @@ class Scheduler:
             allowance = budget
             if background:  # every request behind it is background too
                 running = sum(1 for r in self.running if self.is_background(r))
+                if running < seq_limit and not any(not self.is_background(r) for r in self.running):
+                    seq_limit, token_limit = max_seqs, full_budget  # spare capacity
                 allowance = min(budget, token_limit - self._background_tokens)
                 if running >= seq_limit or allowance <= 0:
                     break
