@@ -39,7 +39,7 @@ from qiao.api.batch_requests import (
     prepare_llm,
 )
 from qiao.api.errors import APIError, as_api_error
-from qiao.api.files import owner_of, store_for, store_of
+from qiao.api.files import list_page, owner_of, store_for, store_of
 from qiao.api.keys import key_of
 from qiao.api.openai_routes import split_model_id
 from qiao.api.serving import Sample, close_all, fold, merged
@@ -157,14 +157,7 @@ async def list_batches(
         docs, has_more = store_of(request).list_batches(owner_of(request), limit=limit, after=after)
     except Exception as exc:
         raise as_api_error(exc) from None
-    data = [_public(doc) for doc in docs]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page([_public(doc) for doc in docs], has_more)
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -46,6 +46,17 @@ def owner_of(request: Request) -> str:
     return key.name if key is not None else ""
 
 
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page of objects with ids."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
 def file_not_found(file_id: str, param: str = "file_id") -> APIError:
     return APIError(404, f"no file {file_id!r}", param=param, code="file_not_found")
 
@@ -99,14 +110,7 @@ async def list_files(
         )
     except Exception as exc:
         raise as_api_error(exc) from None
-    data = [f.to_openai() for f in files]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page([f.to_openai() for f in files], has_more)
 
 
 @router.get("/v1/files/{file_id}")

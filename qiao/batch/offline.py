@@ -94,6 +94,7 @@ class OfflineBatch:
         self._llm: dict[str, _LLMLine] = {}  # engine request id -> its line
         self._in_flight = 0  # engine sequences admitted, not finished
         self._embeddings: deque[_EmbeddingLine] = deque()
+        self._queued_inputs = 0  # embedding inputs in `_embeddings`
         self._sink: ResultSink = lambda line, ok, record: None
 
     def run(self, lines: Iterable[BatchLine], sink: ResultSink) -> None:
@@ -116,8 +117,10 @@ class OfflineBatch:
                 return
 
     def _room(self) -> bool:
-        queued = sum(len(e.token_ids) for e in self._embeddings)
-        return self._in_flight < self.max_in_flight and queued < 4 * self.encoder_batch_size
+        return (
+            self._in_flight < self.max_in_flight
+            and self._queued_inputs < 4 * self.encoder_batch_size
+        )
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -171,6 +174,7 @@ class OfflineBatch:
             )
         body, token_ids = prepare_embedding(line, self.settings, encoder)
         self._embeddings.append(_EmbeddingLine(line, body, token_ids))
+        self._queued_inputs += len(token_ids)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -227,6 +231,7 @@ class OfflineBatch:
             entry = self._embeddings.popleft()
             chunk.append(entry)
             size += len(entry.token_ids)
+        self._queued_inputs -= size
         self._encode(chunk)
 
     def _encode(self, chunk: list[_EmbeddingLine]) -> None:

@@ -196,13 +196,8 @@ class Store:
             args.append(purpose)
         with self._lock:
             if after is not None:
-                row = self._db.execute(
-                    "SELECT seq FROM files WHERE id = ? AND owner = ?", (after, owner)
-                ).fetchone()
-                if row is None:
-                    raise ConfigError(f"after: no file {after!r}", param="after")
                 where.append(f"seq {compare} ?")
-                args.append(row[0])
+                args.append(self._cursor("files", after, owner))
             rows = self._db.execute(
                 "SELECT id, owner, purpose, filename, bytes, created_at FROM files WHERE "
                 f"{' AND '.join(where)} ORDER BY seq {order.upper()} LIMIT ?",
@@ -210,6 +205,16 @@ class Store:
             ).fetchall()
         files = [StoredFile(*row) for row in rows]
         return files[:limit], len(files) > limit
+
+    def _cursor(self, table: str, after: str, owner: str) -> int:
+        """The position of `after` (the last id of the previous page), called under the lock."""
+        row = self._db.execute(
+            f"SELECT seq FROM {table} WHERE id = ? AND owner = ?", (after, owner)
+        ).fetchone()
+        if row is None:
+            noun = "file" if table == "files" else "batch"
+            raise ConfigError(f"after: no {noun} {after!r}", param="after")
+        return row[0]
 
     def delete_file(self, owner: str, file_id: str) -> bool:
         with self._lock:
@@ -277,16 +282,15 @@ class BatchStore(Store):
         return row[0] if row else ""
 
     def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
-        with self._lock:
-            (text,) = self._db.execute(
-                "SELECT doc FROM batches WHERE id = ?", (batch_id,)
-            ).fetchone()
-            doc = {**json.loads(text), **fields}
-            self._db.execute(
-                "UPDATE batches SET doc = ?, status = ? WHERE id = ?",
-                (json.dumps(doc), doc["status"], batch_id),
-            )
-        return doc
+        """Set `fields` on the batch; returns its document after."""
+        after: dict[str, Any] = {}
+
+        def update(doc: dict[str, Any]) -> None:
+            doc.update(fields)
+            after.update(doc)
+
+        self.change_batch(batch_id, update)
+        return after
 
     def change_batch(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> None:
         """Apply `change` to the batch's document in place, atomically (no update is lost to
@@ -319,13 +323,8 @@ class BatchStore(Store):
         where, args = "owner = ?", [owner]
         with self._lock:
             if after is not None:
-                row = self._db.execute(
-                    "SELECT seq FROM batches WHERE id = ? AND owner = ?", (after, owner)
-                ).fetchone()
-                if row is None:
-                    raise ConfigError(f"after: no batch {after!r}", param="after")
                 where += " AND seq < ?"
-                args.append(row[0])
+                args.append(self._cursor("batches", after, owner))
             rows = self._db.execute(
                 f"SELECT doc FROM batches WHERE {where} ORDER BY seq DESC LIMIT ?",
                 (*args, limit + 1),

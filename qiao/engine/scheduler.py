@@ -96,6 +96,8 @@ class Scheduler:
     def _background_limits(self, full_budget: int, max_seqs: int) -> tuple[int, int]:
         """(sequences, tokens) background requests may take in this step: all of them while
         no other request runs or waits (the spare capacity), else their share."""
+        if self.config.background_priority is None:
+            return max_seqs, full_budget
         foreground = (self.waiting and not self.is_background(self.waiting[0][2])) or any(
             not self.is_background(r) for r in self.running
         )
@@ -278,8 +280,6 @@ class Scheduler:
             allowance = budget
             if background:  # every request behind it is background too
                 running = sum(1 for r in self.running if self.is_background(r))
-                if running < seq_limit and not any(not self.is_background(r) for r in self.running):
-                    seq_limit, token_limit = max_seqs, full_budget  # spare capacity
                 allowance = min(budget, token_limit - self._background_tokens)
                 if running >= seq_limit or allowance <= 0:
                     break
