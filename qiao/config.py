@@ -36,6 +36,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     seed: int = 0
     quantization: str | None = None  # "int8": weight-only int8 linears (per-channel scales)
+    # Every token's result independent of the batch it runs in (CPU; see linear_method).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint directory")
@@ -164,6 +166,7 @@ class EngineConfig:
         skip_tokenizer_init: bool = False,
         quantization: str | None = None,
         cuda_graphs: bool | None = None,
+        batch_invariant: bool = False,
     ) -> EngineConfig:
         """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         return cls(
@@ -176,6 +179,7 @@ class EngineConfig:
                 skip_tokenizer_init=skip_tokenizer_init,
                 seed=seed,
                 quantization=quantization,
+                batch_invariant=batch_invariant,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -49,6 +49,7 @@ _ENGINE_SETTINGS = (
     "max_num_batched_tokens",
     "enable_chunked_prefill",
     "enable_prefix_caching",
+    "batch_invariant",
     "block_size",
     "kv_cache_memory",
     "num_kv_blocks",

@@ -74,6 +74,11 @@ class ServeSettings(BaseSettings):
     )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
+    batch_invariant: bool = Field(
+        False,
+        description="every token computed the same whatever its step holds: greedy output "
+        "independent of the batch (CPU; matmuls in 32-row tiles)",
+    )
     block_size: int = Field(16, description="tokens per KV block")
     kv_cache_memory: float | None = Field(
         None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"

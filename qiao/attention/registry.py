@@ -14,6 +14,8 @@ from qiao.errors import ConfigError
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("qiao.attention.backends.torch_ref", "TorchRefBackend"),
     "cpu": ("qiao.attention.backends.cpu_paged", "CpuPagedBackend"),
+    # Every row through the paged kernel, whatever the step holds (batch invariance).
+    "cpu_invariant": ("qiao.attention.backends.cpu_paged", "CpuInvariantBackend"),
     # Static-shape decode (CUDA graphs); other steps go to the device's default backend.
     "padded_decode": ("qiao.attention.backends.padded_decode", "PaddedDecodeBackend"),
 }

@@ -125,6 +125,7 @@ def run_batch(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         "quantization": args.quantization,
         "max_model_len": args.max_model_len,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_invariant": args.batch_invariant,
     }
     state = JobState(state_path, identity, restart=args.restart)
     try:

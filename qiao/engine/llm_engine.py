@@ -118,6 +118,7 @@ class LLMEngine:
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
             cuda_graphs=config.cuda_graphs,
+            batch_invariant=mc.batch_invariant,
         )
 
     def step(self) -> list[RequestOutput]:

@@ -41,7 +41,8 @@ class LLM:
         """`engine_kwargs` are `EngineConfig.create`'s: tokenizer, dtype, load_format,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
         enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, kv_cache_dtype,
-        prefix_cache_reserve, scheduling_policy, seed, device, skip_tokenizer_init, quantization.
+        prefix_cache_reserve, scheduling_policy, seed, device, skip_tokenizer_init, quantization,
+        batch_invariant.
 
         `num_threads` sets torch's thread count (process-wide). `profile`: "auto" takes
         `num_threads`, `max_num_seqs`, `max_num_batched_tokens` and `num_kv_blocks` defaults

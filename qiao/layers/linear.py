@@ -112,13 +112,19 @@ class QKVLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), loaded_weight)
 
 
-def prepare_linears(model: nn.Module, *, quantization: str | None, batch_hint: int) -> None:
-    """Give every linear layer of a loaded model its method, converting its weight once."""
+def prepare_linears(
+    model: nn.Module, *, quantization: str | None, batch_hint: int, batch_invariant: bool = False
+) -> None:
+    """Give every linear layer of a loaded model its method, converting its weight once;
+    batch-invariant ones with `batch_invariant` (see linear_method)."""
     used: Counter[str] = Counter()
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.method = choose_method(
-                module.weight, quantization=quantization, batch_hint=batch_hint
+                module.weight,
+                quantization=quantization,
+                batch_hint=batch_hint,
+                batch_invariant=batch_invariant,
             )
             module.method.prepare(module)
             used[module.method.name] += 1

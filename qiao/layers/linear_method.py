@@ -35,7 +35,19 @@ new row count on the demo model, to ~1.4 GiB more before it levelled off (see th
 of docs/operations.md). These paths therefore pad the rows up to `row_bucket(rows)`: every count
 up to 16, then 8 sizes per doubling (at most 12.5% padding; 72 sizes up to 2048), which bounds
 the primitives to a few hundred that are built once and stay cached. Padding rows are zeros and
-sliced off; a row's result does not depend on the rows beside it.
+sliced off.
+
+Batch invariance (`batch_invariant=True`): the row buckets bound the primitives but do not make
+a row's result independent of how many rows share the matmul: oneDNN (and MKL) pick their
+kernel and their blocking of the sum by the row count, so the same token can round differently
+in a step of 3 rows and one of 64 (seen on the demo model: one greedy answer of 600 changed
+between --max-num-seqs 16 and 3; on an AMX Xeon the down projection's rows differ in the last
+bit between a 64-row matmul and the same rows alone). A
+batch-invariant method therefore runs every matmul in tiles of exactly `INVARIANT_TILE` rows
+(the last padded with zeros): every row goes through the one primitive built for that shape,
+whatever the step holds. `PackedF32Method` needs no tiles (each row keeps its own accumulators
+and sums K in one order for any row count); int8 skips its few-rows kernel, which sums in
+another order than the tiled bfloat16 path.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from qiao import envs
+from qiao.errors import ConfigError
 from qiao.kernels import ops_for
 
 if TYPE_CHECKING:
@@ -66,6 +79,12 @@ _OCTAVE_SHIFT = _BUCKETS_PER_OCTAVE.bit_length()  # log2(_BUCKETS_PER_OCTAVE) + 
 # Rows per matmul up to which the int8 kernel beats convert-then-bfloat16-matmul (measured on a
 # 2-core AVX-512 machine at 135M and 0.5B decode shapes: the kernel wins through 8 rows).
 INT8_KERNEL_MAX_ROWS = 8
+
+# Rows per matmul of a batch-invariant method (see the module docstring). On the SmolLM2-135M
+# shape in bfloat16 (AMX Xeon, 2 cores; 32 prompts of 64-256 tokens, 32 tokens each, beside the
+# untiled engine in one run) tiles of 16 rows cost 1.29x the time, 32 rows 1.04x, 64 rows 1.19x:
+# few rows per call starve the matmul on prompts, many waste it on decode steps.
+INVARIANT_TILE = 32
 
 
 def row_bucket(rows: int) -> int:
@@ -92,18 +111,45 @@ def bucketed_matmul(
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def tiled_matmul(
+    matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
+) -> torch.Tensor:
+    """`matmul(x)` for x [..., K] computed `tile` rows at a time, the last tile padded with
+    zeros: every row goes through a matmul of exactly `tile` rows (batch invariance)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    padded = -(-rows // tile) * tile
+    if padded != rows:
+        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    out = torch.cat([matmul(flat[i : i + tile]) for i in range(0, padded, tile)])[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class LinearMethod:
-    """Turns a loaded layer's `weight` into this method's storage, then computes with it."""
+    """Turns a loaded layer's `weight` into this method's storage, then computes with it.
+
+    `tile`: None, or the rows per matmul of a batch-invariant method (`tiled_matmul`)."""
 
     name = "dense"
+
+    def __init__(self, tile: int | None = None) -> None:
+        self.tile = tile
 
     def prepare(self, layer: LinearBase) -> None:
         pass
 
+    def rows_matmul(
+        self, matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """`matmul(x)` in tiles when batch-invariant, else on the rows' bucket."""
+        if self.tile is not None:
+            return tiled_matmul(matmul, x, self.tile)
+        return bucketed_matmul(matmul, x)
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.tile is not None):
             # The CPU's bfloat16 F.linear is a oneDNN matmul too (see row_bucket).
-            return bucketed_matmul(lambda rows: F.linear(rows, layer.weight, layer.bias), x)
+            return self.rows_matmul(lambda rows: F.linear(rows, layer.weight, layer.bias), x)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -113,15 +159,16 @@ DenseMethod = LinearMethod
 class OneDnnMethod(LinearMethod):
     name = "onednn"
 
-    def __init__(self, batch_hint: int) -> None:
-        self.batch_hint = batch_hint
+    def __init__(self, batch_hint: int, tile: int | None = None) -> None:
+        super().__init__(tile)
+        self.batch_hint = tile or batch_hint
 
     def prepare(self, layer: LinearBase) -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), self.batch_hint)
         _replace_weight(layer, packed)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return bucketed_matmul(
+        return self.rows_matmul(
             lambda rows: torch.ops.mkldnn._linear_pointwise(
                 rows, layer.weight, layer.bias, "none", [], ""
             ),
@@ -133,6 +180,7 @@ class PackedF32Method(LinearMethod):
     name = "packed-f32"
 
     def __init__(self, ops: ModuleType) -> None:
+        super().__init__()
         self.ops = ops
 
     def prepare(self, layer: LinearBase) -> None:
@@ -149,8 +197,9 @@ class PackedF32Method(LinearMethod):
 class Int8Method(LinearMethod):
     name = "int8"
 
-    def __init__(self, batch_hint: int = 64) -> None:
-        self.batch_hint = batch_hint
+    def __init__(self, batch_hint: int = 64, tile: int | None = None) -> None:
+        super().__init__(tile)
+        self.batch_hint = tile or batch_hint
 
     def prepare(self, layer: LinearBase) -> None:
         qweight, scale = quantize_int8(layer.weight.detach())
@@ -167,11 +216,11 @@ class Int8Method(LinearMethod):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         ops = ops_for(rows)
-        if ops is not None and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if ops is not None and rows.shape[0] <= INT8_KERNEL_MAX_ROWS and self.tile is None:
             bias = layer.bias.float() if layer.bias is not None else _EMPTY
             out = ops.int8_linear(rows.float(), layer.weight, layer.weight_scale, bias)
         elif layer.weight_bf16 is not None:
-            out = bucketed_matmul(
+            out = self.rows_matmul(
                 lambda r: torch.ops.mkldnn._linear_pointwise(
                     r, layer.weight_bf16, None, "none", [], ""
                 ),
@@ -180,6 +229,12 @@ class Int8Method(LinearMethod):
             out = out.float().mul_(layer.weight_scale)
             if layer.bias is not None:
                 out.add_(layer.bias.float())
+        elif self.tile is not None:
+            out = tiled_matmul(
+                lambda r: int8_linear_reference(r, layer.weight, layer.weight_scale, layer.bias),
+                rows,
+                self.tile,
+            )
         else:
             out = int8_linear_reference(rows, layer.weight, layer.weight_scale, layer.bias)
         return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
@@ -209,10 +264,22 @@ def int8_linear_reference(
 
 
 def choose_method(
-    weight: torch.Tensor, *, quantization: str | None, batch_hint: int
+    weight: torch.Tensor,
+    *,
+    quantization: str | None,
+    batch_hint: int,
+    batch_invariant: bool = False,
 ) -> LinearMethod:
+    tile = None
+    if batch_invariant:
+        if weight.device.type != "cpu":
+            raise ConfigError(
+                f"batch_invariant runs on the CPU only (the model is on {weight.device}); "
+                "leave it off on this device"
+            )
+        tile = INVARIANT_TILE
     if quantization == "int8":
-        return Int8Method(max(16, min(batch_hint, 128)))
+        return Int8Method(max(16, min(batch_hint, 128)), tile)
     packed = packed_f32_ops(weight)
     if packed is not None:
         return PackedF32Method(packed)
@@ -222,7 +289,9 @@ def choose_method(
         and not envs.disable_onednn_linear()
         and onednn_linear_available(weight.dtype)
     )
-    return OneDnnMethod(max(16, min(batch_hint, 128))) if onednn else DenseMethod()
+    if onednn:
+        return OneDnnMethod(max(16, min(batch_hint, 128)), tile)
+    return DenseMethod(tile)
 
 
 def packed_f32_ops(weight: torch.Tensor) -> ModuleType | None:

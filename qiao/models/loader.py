@@ -34,13 +34,15 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     batch_hint: int = 128,
+    batch_invariant: bool = False,
 ) -> nn.Module:
     """The model of `arch` on `device` in `dtype`, weights loaded, in eval mode.
 
     load_format "dummy" needs no checkpoint: small deterministic random weights (benchmarks).
     Once loaded, every linear layer prepares its weights for the device (`prepare_linears`):
     packed for the CPU's matmul library, or int8 with `quantization="int8"`; `batch_hint` is the
-    typical number of rows per matmul (the running-sequence limit).
+    typical number of rows per matmul (the running-sequence limit). `batch_invariant`: every
+    row's result independent of the rows beside it (linear_method, CPU only).
     """
     if load_format not in LOAD_FORMATS:
         raise ConfigError(
@@ -56,7 +58,9 @@ def load_model(
         init_dummy_weights(model)
     else:
         _load_checkpoint(model, Path(model_dir))
-    prepare_linears(model, quantization=quantization, batch_hint=batch_hint)
+    prepare_linears(
+        model, quantization=quantization, batch_hint=batch_hint, batch_invariant=batch_invariant
+    )
     return model.eval()
 
 

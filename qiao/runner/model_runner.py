@@ -28,6 +28,7 @@ from qiao.config import (
 from qiao.errors import ConfigError
 from qiao.hal import platform
 from qiao.hal.platform import to_device_async, total_memory_bytes
+from qiao.layers.attention import Attention
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
 from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
@@ -52,6 +53,7 @@ class ModelRunner:
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
         cuda_graphs: bool | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.arch = arch
         self.dtype = dtype
@@ -70,7 +72,13 @@ class ModelRunner:
             load_format=load_format,
             quantization=quantization,
             batch_hint=max_num_seqs,
+            batch_invariant=batch_invariant,
         )
+        if batch_invariant:
+            # Attention row by row through the paged kernel as well (cpu_paged).
+            for module in self.model.modules():
+                if isinstance(module, Attention) and module.backend_name == "auto":
+                    module.backend_name = "cpu_invariant"
         self.sampler = Sampler()
         self._mask_filler: MaskFiller | None = None  # on the first structured-output step
         self.kv_caches: list[torch.Tensor] = []

@@ -8,6 +8,10 @@ prompts, 16 at a time: 3.7 vs 6.7 ms per layer). Elsewhere the scalar kernel tak
 tokens, and prompt chunks go through SDPA: whole fresh prompts of one length causally over the
 step's own K/V (no gather, no mask), other chunks over their gathered context (the reference
 backend's path), the faster forms there. The reference backend is the oracle.
+
+`CpuInvariantBackend` (batch-invariant engines) sends every row through the kernel even without
+its AVX-512 form: a token's attention then never depends on whether its prompt came whole, in
+chunks or after a cached prefix, nor on the rows beside it.
 """
 
 from __future__ import annotations
@@ -122,6 +126,39 @@ class CpuPagedBackend(AttentionBackend):
             block_tables,
             plan.decode_query_start_loc,
             seq_lens,
+            scale,
+            sliding_window or 0,
+        ).to(query.dtype)
+
+
+class CpuInvariantBackend(CpuPagedBackend):
+    name = "cpu_invariant"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        self.ops.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
+        if layout not in self._vectorized:
+            self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
+        # Only the AVX-512 form reads a 16-bit cache under a float32 query.
+        mixed_ok = self._vectorized[layout] and query.dtype == torch.float32
+        kernel_query = query if mixed_ok else query.to(kv_cache.dtype)
+        return self.ops.paged_attention(
+            kernel_query.contiguous(),
+            kv_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
             scale,
             sliding_window or 0,
         ).to(query.dtype)
