@@ -251,3 +251,94 @@ def test_a_resume_with_another_input_is_refused(tmp_path: Path, capsys) -> None:
     # A finished output with no run in progress is not silently redone.
     assert _run(source, "-o", out) == 2
     assert "pass --overwrite to run the batch again" in capsys.readouterr().err
+
+
+def test_results_go_to_fsspec_urls(tmp_path: Path, capsys) -> None:
+    """OUTPUT as a memory:// URL (fsspec's in-process file system: an object store stand-in
+    with no network) and as a file:// URL; the default error file sits beside the output."""
+    import fsspec
+
+    source = tmp_path / "in.jsonl"
+    body = {"model": "demo", "prompt": "Once", "max_tokens": 3, "temperature": 0}
+    source.write_text(
+        "\n".join(
+            [_line("a", "/v1/completions", body), "{broken", _line("b", "/v1/completions", body)]
+        )
+        + "\n"
+    )
+    local = tmp_path / "local.jsonl"
+    assert _run(source, "-o", local) == 0
+    want = _without_run_ids(_read(local))
+
+    memory = fsspec.filesystem("memory")
+    url = f"memory://results-{os.getpid()}/run/out.jsonl"
+    state = tmp_path / "memory.state.sqlite"
+    assert _run(source, "-o", url, "--state", state) == 0
+    assert f"2 answered → {url}" in capsys.readouterr().err
+    with memory.open(url.removeprefix("memory://"), "r") as file:
+        got = [json.loads(line) for line in file.read().splitlines()]
+    assert _without_run_ids(got) == want
+    with memory.open(f"results-{os.getpid()}/run/out.errors.jsonl", "r") as file:
+        assert json.loads(file.readline())["error"]["code"] == "invalid_json"
+    assert [p.rsplit("/", 1)[1] for p in memory.ls(f"results-{os.getpid()}/run", detail=False)] == [
+        "out.errors.jsonl",
+        "out.jsonl",
+    ]  # no temporary left behind
+    assert not state.exists()  # removed once the files are written
+    # A finished URL is not silently redone, as a finished local file is not.
+    assert _run(source, "-o", url, "--state", state) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+
+    target = tmp_path / "sub" / "file-url.jsonl"
+    assert _run(source, "-o", f"file://{target}") == 0
+    assert _without_run_ids(_read(target)) == want
+    assert (tmp_path / "sub" / "file-url.errors.jsonl").is_file()
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [
+        "file-url.errors.jsonl",
+        "file-url.jsonl",
+    ]
+
+
+def test_a_url_output_keeps_its_state_in_the_cache_directory() -> None:
+    from qiao import envs
+    from qiao.batch.cli import default_paths
+
+    errors, state = default_paths("s3://bucket/jobs/out.jsonl")
+    assert errors == "s3://bucket/jobs/out.errors.jsonl"
+    assert state.parent == envs.cache_dir() / "batch" and state.name.endswith(".state.sqlite")
+    assert default_paths("s3://bucket/jobs/other.jsonl")[1] != state
+    assert default_paths(Path("/data/out.jsonl")) == (
+        Path("/data/out.errors.jsonl"),
+        Path("/data/out.jsonl.state.sqlite"),
+    )
+
+
+def test_a_failed_write_leaves_nothing_under_the_final_name() -> None:
+    import fsspec
+
+    from qiao.batch.results import write_lines_atomically
+
+    memory = fsspec.filesystem("memory")
+    folder = f"atomic-{os.getpid()}"
+
+    def lines():
+        yield "one"
+        yield "two"
+        raise RuntimeError("the store went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        write_lines_atomically(f"memory://{folder}/out.jsonl", lines())
+    assert not memory.exists(f"{folder}/out.jsonl")
+    assert not memory.exists(folder) or memory.ls(folder, detail=False) == []
+    assert write_lines_atomically(f"memory://{folder}/out.jsonl", ["a", "b"]) == 2
+    with memory.open(f"{folder}/out.jsonl", "r") as file:
+        assert file.read() == "a\nb\n"
+
+
+def test_an_unknown_url_protocol_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    source = tmp_path / "in.jsonl"
+    body = {"model": "demo", "prompt": "Once", "max_tokens": 2}
+    source.write_text(_line("a", "/v1/completions", body) + "\n")
+    state = tmp_path / "s.sqlite"
+    assert _run(source, "-o", "nosuchproto://bucket/out.jsonl", "--state", state) == 2
+    assert "cannot write to nosuchproto://bucket/out.jsonl" in capsys.readouterr().err

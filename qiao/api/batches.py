@@ -45,6 +45,7 @@ from qiao.api.openai_routes import split_model_id
 from qiao.api.serving import Sample, close_all, fold, merged
 from qiao.api.webhooks import Notifier, check_target, new_event
 from qiao.batch.lines import ENDPOINTS, BatchLine, error_line, read_lines
+from qiao.batch.results import write_lines_atomically
 from qiao.batch.store import FINISHED, BatchStore
 from qiao.engine.async_engine import GenerateRequest
 from qiao.repository.served import EncoderVersion, LLMVersion
@@ -478,12 +479,14 @@ class BatchWorker:
 
         output_id = await run_in_threadpool(write, True, "output")
         error_id = await run_in_threadpool(write, False, "error")
+        copies = await run_in_threadpool(self._copy_results, batch_id)
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}
         doc = store.update_batch(
             batch_id,
             status=end,
             output_file_id=output_id,
             error_file_id=error_id,
+            **copies,
             **{stamp[end]: int(time.time())},
         )
         self._cancelled.pop(batch_id, None)
@@ -497,6 +500,27 @@ class BatchWorker:
             counts["failed"],
             counts["total"],
         )
+
+    def _copy_results(self, batch_id: str) -> dict[str, Any]:
+        """Write the batch's output and error lines under --batch-output-url as well, each
+        atomically (results.py); returns the fields recording where (`output_url`,
+        `error_url`), or why not (`result_store_error`: the files in the data directory stand,
+        and the batch still ends)."""
+        prefix = self.settings.batch_output_url
+        if not prefix:
+            return {}
+        fields: dict[str, Any] = {}
+        try:
+            for ok, name, field in ((True, "output", "output_url"), (False, "errors", "error_url")):
+                records = self.store.batch_records(batch_id, ok)
+                if records:
+                    url = f"{prefix.rstrip('/')}/{batch_id}/{name}.jsonl"
+                    write_lines_atomically(url, records)
+                    fields[field] = url
+        except Exception as exc:  # the store is unreachable, full, or refuses the write
+            logger.warning("batch %s: results not written to %s: %s", batch_id, prefix, exc)
+            fields["result_store_error"] = f"{type(exc).__name__}: {exc}"
+        return fields
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
         self.store.update_batch(

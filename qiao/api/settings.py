@@ -226,6 +226,12 @@ class ServeSettings(BaseSettings):
         1.0, gt=0, description="seconds before the first retry, doubled for each next one"
     )
     batch_concurrency: int = Field(1, ge=1, description="batches run at once (/v1/batches)")
+    batch_output_url: str | None = Field(
+        None,
+        description="fsspec URL prefix (s3://bucket/dir, gs://..., file:///dir) where every "
+        "finished batch's lines are also written, atomically, as <prefix>/<batch id>/output.jsonl "
+        "and errors.jsonl; the batch shows them as output_url and error_url",
+    )
     batch_max_in_flight: int = Field(
         64, ge=1, description="most lines of one batch in the engine at once"
     )
@@ -306,6 +312,18 @@ class ServeSettings(BaseSettings):
         if self.load_model and self.model_control_mode != "explicit":
             raise ValueError("load-model needs --model-control-mode explicit")
         return self
+
+    @field_validator("batch_output_url")
+    @classmethod
+    def _known_protocol(cls, value: str | None) -> str | None:
+        if value is not None:
+            import fsspec
+
+            try:
+                fsspec.core.url_to_fs(value)
+            except (ImportError, ValueError) as exc:
+                raise ValueError(f"cannot write to {value}: {exc}") from exc
+        return value
 
     @model_validator(mode="after")
     def _one_profile_choice(self) -> ServeSettings:

@@ -2,7 +2,7 @@
 
 The run keeps its finished lines in a SQLite state file (`OUTPUT.state.sqlite` unless `--state`)
 and writes the output and error files only at the end, whole and in input order, each renamed
-into place (never half-written). Killed at any moment and started again with the same
+into place (never half-written); OUTPUT may be an fsspec URL (results.py). Killed at any moment and started again with the same
 arguments, it skips the lines already finished: no line is lost or written twice, and the files
 equal an uninterrupted run's (greedy sampling). The state file is removed once the files are
 written; its identity (the input's digest, the models and the settings that shape answers)
@@ -21,8 +21,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from qiao import envs
 from qiao.batch.lines import BatchLine, read_lines
-from qiao.batch.results import write_lines_atomically
+from qiao.batch.results import (
+    is_url,
+    local_path,
+    sibling,
+    target_exists,
+    target_name,
+    write_lines_atomically,
+)
 from qiao.batch.state import JobState
 from qiao.errors import ConfigError
 
@@ -36,14 +44,15 @@ def add_batch_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=_target,
         required=True,
         metavar="OUTPUT",
-        help="output file: one line per answered request (status 200), in input order",
+        help="output file or fsspec URL (s3://, gs://, file://; s3 needs s3fs, gs gcsfs): one "
+        "line per answered request (status 200), in input order",
     )
     parser.add_argument(
         "--errors",
-        type=Path,
+        type=_target,
         default=None,
         metavar="PATH",
         help="error file: refused or failed lines (default: OUTPUT's name with .errors.jsonl); "
@@ -54,7 +63,8 @@ def add_batch_run_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="SQLite file of the run's progress (default: OUTPUT.state.sqlite)",
+        help="SQLite file of the run's progress (default: OUTPUT.state.sqlite; for an OUTPUT "
+        "URL, <QIAO_CACHE_DIR>/batch/<hash of the URL>.state.sqlite)",
     )
     parser.add_argument(
         "--restart",
@@ -89,24 +99,37 @@ def add_batch_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def default_paths(output: Path) -> tuple[Path, Path]:
-    """(error file, state file) beside `output`: out.jsonl → out.errors.jsonl,
-    out.jsonl.state.sqlite."""
-    stem = output.name.removesuffix(".jsonl")
-    return output.with_name(f"{stem}.errors.jsonl"), output.with_name(f"{output.name}.state.sqlite")
+def _target(text: str) -> str | Path:
+    """An output flag's value: an fsspec URL as given, else a local path."""
+    return text if is_url(text) else Path(text)
+
+
+def default_paths(output: str | Path) -> tuple[str | Path, Path]:
+    """(error file, state file) of `output`: out.jsonl → out.errors.jsonl beside it, and
+    out.jsonl.state.sqlite beside it when it is local, else in the cache directory."""
+    name = target_name(output)
+    errors = sibling(output, f"{name.removesuffix('.jsonl')}.errors.jsonl")
+    local = local_path(output)
+    if local is not None:
+        return errors, local.with_name(f"{local.name}.state.sqlite")
+    key = hashlib.sha256(str(output).encode()).hexdigest()[:16]
+    return errors, envs.cache_dir() / "batch" / f"{key}.state.sqlite"
 
 
 def run_batch(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     source: Path = args.input
     if not source.is_file():
         raise ConfigError(f"INPUT {source} is not a file")
-    output: Path = args.output
+    output: str | Path = args.output
     errors_default, state_default = default_paths(output)
-    errors: Path = args.errors or errors_default
+    errors: str | Path = args.errors or errors_default
     state_path: Path = args.state or state_default
-    if output.resolve() == source.resolve():
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    local = local_path(output)
+    if local is not None and local.resolve() == source.resolve():
         raise ConfigError("OUTPUT must not be INPUT")
-    if output.exists() and not state_path.exists() and not args.restart and not args.overwrite:
+    exists = target_exists(output)
+    if exists and not state_path.exists() and not args.restart and not args.overwrite:
         raise ConfigError(
             f"{output} exists and no run of it is in progress ({state_path} is absent); "
             "pass --overwrite to run the batch again"
@@ -138,8 +161,8 @@ def _run(
     args: argparse.Namespace,
     engine_kwargs: dict[str, Any],
     state: JobState,
-    output: Path,
-    errors: Path,
+    output: str | Path,
+    errors: str | Path,
 ) -> int:
     done = state.done_numbers()
     lines = list(read_lines(args.input))

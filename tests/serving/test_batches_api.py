@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+
+import qiao
 
 from .conftest import SubprocessServer, openai_client, parse_metrics, wait_until
 
@@ -180,15 +184,32 @@ def test_bad_batch_requests_are_4xx(server: SubprocessServer) -> None:
         client.batches.retrieve("batch_missing")
 
 
-def _many(count: int, max_tokens: int) -> bytes:
+def _many(count: int, max_tokens: int, **extra: Any) -> bytes:
     return b"".join(
         _line(
             f"r{i}",
             "/v1/completions",
-            {"model": LLM, "prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True},
+            {
+                "model": LLM,
+                "prompt": f"Story {i}:",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                **extra,
+            },
         )
         for i in range(count)
     )
+
+
+def _without_run_ids(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records without what differs between two runs by design: ids and creation times."""
+    for record in records:
+        record.pop("id")
+        response = record["response"]
+        response.pop("request_id")
+        response["body"].pop("id")
+        response["body"].pop("created")
+    return records
 
 
 def test_cancel_stops_a_batch_and_keeps_what_finished(server: SubprocessServer) -> None:
@@ -222,10 +243,16 @@ def test_cancel_stops_a_batch_and_keeps_what_finished(server: SubprocessServer) 
 
 @pytest.mark.slow
 def test_a_killed_server_resumes_its_batch(tmp_path: Path) -> None:
+    """Killed mid-batch and restarted, a batch-invariant server answers every line once, the
+    same as an uninterrupted `qiao batch run` of the file, and writes the results to its
+    --batch-output-url (file://) as well."""
     data = tmp_path / "data"
-    first = _serve(data, tmp_path / "first.log")
+    lines = _many(300, 24, temperature=0)
+    results = tmp_path / "results"
+    flags = ("--batch-invariant", "--batch-output-url", f"file://{results}")
+    first = _serve(data, tmp_path / "first.log", *flags)
     client = openai_client(first.base_url)
-    upload = client.files.create(file=("many.jsonl", _many(300, 24)), purpose="batch")
+    upload = client.files.create(file=("many.jsonl", lines), purpose="batch")
     batch = client.batches.create(
         input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
     )
@@ -239,7 +266,7 @@ def test_a_killed_server_resumes_its_batch(tmp_path: Path) -> None:
     first.stop()
     assert (data / "qiao.sqlite").exists()  # the store it resumes from
 
-    second = _serve(data, tmp_path / "second.log")
+    second = _serve(data, tmp_path / "second.log", *flags)
     try:
         client = openai_client(second.base_url)
         done = _finish(client, batch.id, timeout=180)
@@ -251,3 +278,19 @@ def test_a_killed_server_resumes_its_batch(tmp_path: Path) -> None:
     finally:
         second.stop()
     assert time.time() < done.expires_at
+    copied = results / batch.id / "output.jsonl"
+    assert done.model_extra["output_url"] == f"file://{copied}"
+    assert "error_url" not in done.model_extra  # no line failed
+    assert [json.loads(line) for line in copied.read_text().splitlines()] == records
+
+    source = tmp_path / "many.jsonl"
+    source.write_bytes(lines)
+    offline = tmp_path / "offline.jsonl"
+    demo = Path(qiao.__file__).parent / "demo_model"
+    run = [sys.executable, "-m", "qiao.cli", "batch", "run", str(source), "-o", str(offline)]
+    finished = subprocess.run(
+        [*run, "--model", str(demo), "--no-progress"], capture_output=True, text=True
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    want = _without_run_ids([json.loads(line) for line in offline.read_text().splitlines()])
+    assert _without_run_ids(records) == want
