@@ -260,3 +260,15 @@ def test_float32_query_over_16_bit_cache(cache_dtype, head_dim, block_size, wind
     q8, cache8, tables8, qsl8, _, _ = _kernel_case(cache_dtype, torch.float32, 64, 8)
     with pytest.raises(RuntimeError, match="share a dtype"):
         ops.paged_attention(q8, cache8, tables8, qsl8, sl, scale, window)
+
+
+@needs_ops
+@pytest.mark.parametrize("window", [None, 5])
+def test_invariant_backend_runs_prompt_chunks_through_the_scalar_kernel_too(window):
+    # Head size 8 / block 4 has no AVX-512 form: the plain backend sends prompt chunks to SDPA,
+    # the batch-invariant one sends every row through the scalar paged kernel; both against the
+    # naive per-token oracle.
+    batch = Batch(MIXED, 6, 2, block_size=4, head_dim=8)
+    assert not ops.attention_vectorized(batch.kv_cache)
+    out = batch.run(window, backend="cpu_invariant")
+    torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)

@@ -48,6 +48,9 @@ class _Plan:
 class CpuPagedBackend(AttentionBackend):
     name = "cpu"
 
+    # True: the kernel takes every row even without its AVX-512 form (CpuInvariantBackend).
+    every_row_through_kernel = False
+
     def __init__(self) -> None:
         ops = cpu_ops()
         if ops is None:
@@ -72,9 +75,11 @@ class CpuPagedBackend(AttentionBackend):
         layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
         if layout not in self._vectorized:
             self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
-        if self._vectorized[layout]:
-            # A float32 query goes in as is: the kernel reads a 16-bit cache under it itself.
-            kernel_query = query if query.dtype == torch.float32 else query.to(kv_cache.dtype)
+        vectorized = self._vectorized[layout]
+        if vectorized or self.every_row_through_kernel:
+            # A float32 query goes in as is where the AVX-512 form reads a 16-bit cache under it.
+            mixed = vectorized and query.dtype == torch.float32
+            kernel_query = query if mixed else query.to(kv_cache.dtype)
             return self.ops.paged_attention(
                 kernel_query.contiguous(),
                 kv_cache,
@@ -133,35 +138,7 @@ class CpuPagedBackend(AttentionBackend):
 
 class CpuInvariantBackend(CpuPagedBackend):
     name = "cpu_invariant"
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        self.ops.write_kv(kv_cache, key, value, metadata.slot_mapping)
-        layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
-        if layout not in self._vectorized:
-            self._vectorized[layout] = self.ops.attention_vectorized(kv_cache)
-        # Only the AVX-512 form reads a 16-bit cache under a float32 query.
-        mixed_ok = self._vectorized[layout] and query.dtype == torch.float32
-        kernel_query = query if mixed_ok else query.to(kv_cache.dtype)
-        return self.ops.paged_attention(
-            kernel_query.contiguous(),
-            kv_cache,
-            metadata.block_tables,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            scale,
-            sliding_window or 0,
-        ).to(query.dtype)
+    every_row_through_kernel = True
 
 
 def _causal(
