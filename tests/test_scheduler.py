@@ -568,39 +568,67 @@ def _background_scheduler(share: float, max_num_seqs: int = 4, budget: int = 32)
     return Scheduler(config, bm)
 
 
+def _background(out) -> list:
+    return [s for s in out.scheduled if s.request.priority == 10]
+
+
 def test_background_requests_use_spare_capacity_and_yield_to_online_ones():
-    sched = _background_scheduler(0.5)  # while others run: 2 of 4 seats, 16 of 32 tokens
-    batch = [make_request([1, 2, 3, 4], max_tokens=50, priority=10) for _ in range(6)]
+    sched = _background_scheduler(0.5, max_num_seqs=8, budget=64)
+    batch = [make_request([1, 2, 3, 4], max_tokens=50, priority=10) for _ in range(10)]
     for request in batch:
         sched.add_request(request)
     out = step(sched)
-    assert len(out.scheduled) == 4  # nothing else to run: the batch takes every seat
-    # An online request arriving after the batch: one background request is preempted to seat
-    # it, and it runs ahead of the waiting batch lines (fcfs notwithstanding).
-    online = make_request([5, 6, 7], max_tokens=8)
-    sched.add_request(online)
+    assert len(out.scheduled) == 8  # nothing else to run: the batch takes every seat
+    # Online requests arriving after the batch: background requests are preempted to seat them
+    # in the same step, and they run ahead of the waiting batch lines (fcfs notwithstanding).
+    online = [make_request([5, 6, 7, 8], max_tokens=8) for _ in range(4)]
+    for request in online:
+        sched.add_request(request)
     out = step(sched)
-    assert len(out.preempted_req_ids) == 1
-    out = step(sched)
-    assert online.request_id in {s.request.request_id for s in out.scheduled}
-    assert sum(s.request.priority == 10 for s in out.scheduled) == 2
-    while online.status == RequestStatus.RUNNING:
+    assert len(out.preempted_req_ids) == 4
+    assert {r.request_id for r in online} <= {s.request.request_id for s in out.scheduled}
+    # Beside them the batch adds at most half the step's online sequences and tokens.
+    while any(r.status == RequestStatus.RUNNING for r in online):
         out = step(sched)
-        assert sum(s.request.priority == 10 for s in out.scheduled) <= 2
+        foreground = [s for s in out.scheduled if s.request.priority == 0]
+        assert 0 < len(_background(out)) <= max(1, len(foreground) // 2)
+        assert sum(len(s.token_ids) for s in _background(out)) <= max(
+            1, sum(len(s.token_ids) for s in foreground) // 2
+        )
     # Online work done: the batch takes the whole step again.
-    assert sum(s.request.priority == 10 for s in step(sched).scheduled) == 4
+    assert len(_background(step(sched))) == 8
 
 
 def test_background_prefill_is_chunked_to_its_token_share():
     alone = _background_scheduler(0.5, budget=8)
     alone.add_request(make_request(list(range(1, 21)), priority=10))
     assert step(alone).num_scheduled_tokens == 8  # alone: the whole budget
-    shared = _background_scheduler(0.5, budget=8)
-    shared.add_request(make_request([1, 2], max_tokens=30))  # an online request, decoding
-    step(shared)
+    shared = _background_scheduler(0.5, budget=16)
+    shared.add_request(make_request(list(range(1, 9)), max_tokens=30))  # online, 8-token prompt
     shared.add_request(make_request(list(range(1, 21)), priority=10))
-    out = step(shared)
-    assert sum(len(s.token_ids) for s in out.scheduled if s.request.priority == 10) == 4
+    out = step(shared)  # the online prompt (8 tokens) and half as many background ones
+    assert [len(s.token_ids) for s in out.scheduled] == [8, 4]
+    out = step(shared)  # the online decode (1 token): the batch still moves, by one token
+    assert [len(s.token_ids) for s in out.scheduled] == [1, 1]
+
+
+def test_an_online_request_takes_blocks_back_from_background_ones():
+    bm = BlockManager(4, BLOCK, enable_prefix_caching=False)
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, background_priority=10, background_share=1.0
+    )
+    sched = Scheduler(config, bm)
+    background = make_request(list(range(1, 4 * BLOCK - 1)), max_tokens=20, priority=10)
+    sched.add_request(background)
+    step(sched)  # alone, it holds every block
+    online = make_request(list(range(1, BLOCK + 1)), max_tokens=4)
+    sched.add_request(online)
+    out = step(sched)
+    assert out.preempted_req_ids == [background.request_id]
+    assert [s.request for s in out.scheduled] == [online]
+    while online.status == RequestStatus.RUNNING:
+        step(sched)
+    assert online.num_preemptions == 0 and online.output_token_ids
 
 
 def test_background_requests_are_preempted_before_online_ones():
@@ -615,3 +643,12 @@ def test_background_requests_are_preempted_before_online_ones():
         step(sched)
     assert background.status == RequestStatus.PREEMPTED or background.num_preemptions > 0
     assert online.status == RequestStatus.RUNNING and online.num_preemptions == 0
+
+
+def test_background_requests_run_by_priority_even_under_fcfs():
+    sched = _background_scheduler(1.0, max_num_seqs=1)
+    later = make_request([1, 2], max_tokens=2, priority=12)
+    sooner = make_request([3, 4], max_tokens=2, priority=11)
+    sched.add_request(later)
+    sched.add_request(sooner)
+    assert [s.request for s in step(sched).scheduled] == [sooner]

@@ -493,6 +493,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="runs per rate, each with its own arrivals and prompts, taken round by round; "
         "the report gives each rate's medians and the SLO verdict on them (default 1)",
     )
+    p.add_argument(
+        "--with-batch",
+        type=_positive,
+        default=None,
+        metavar="LINES",
+        help="run the rates alone, then again beside a /v1/batches job of LINES completion "
+        "lines (same --input-len / --output-len) and compare: goodput, p50 TTFT and the "
+        "highest rate within the SLO, with the batch's own lines/s meanwhile; the batch is "
+        "cancelled at the end. Give enough lines that it outlasts the second run",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of latency percentiles vs rate")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -523,6 +533,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         repeat=args.repeat,
         show_progress=not args.no_progress,
+        with_batch=args.with_batch,
     )
     report = run_serve(cfg)
     print(format_serve(report))

@@ -50,6 +50,8 @@ class ServeConfig:
     # Runs per rate, each with its own seed; the report gives each rate's medians.
     repeat: int = 1
     show_progress: bool = True
+    # Lines of a /v1/batches job to run the ladder beside, after running it alone (None: no).
+    with_batch: int | None = None
 
 
 @dataclass
@@ -234,26 +236,59 @@ def _client(cfg: ServeConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
 
 
-async def run_serve_async(cfg: ServeConfig) -> dict[str, Any]:
+async def _ladder(
+    client: httpx.AsyncClient, cfg: ServeConfig, model: str, label: str = ""
+) -> list[dict[str, Any]]:
+    """Every rate, `repeat` times; each rate's figures (with repeats: their medians)."""
     from qiao.bench.serve_report import median_of_runs, summarize
 
-    # Accept http://host:port, .../ and .../v1 alike.
-    cfg = dataclasses.replace(cfg, base_url=cfg.base_url.rstrip("/").removesuffix("/v1"))
     rates = cfg.request_rates
     runs: list[list[dict[str, Any]]] = [[] for _ in rates]
+    # Round by round (every rate once, then again), so a drift in the server's speed touches
+    # every rate alike. Seeds: rate i of round k takes seed + i + k * len(rates), so round 0 is
+    # what a single run sends.
+    for k in range(cfg.repeat):
+        run_label = label + (f", run {k + 1}/{cfg.repeat}" if cfg.repeat > 1 else "")
+        for index, rate in enumerate(rates):
+            jobs = make_jobs(cfg, rate, cfg.seed + index + k * len(rates))
+            results, seconds = await run_rate(client, cfg, model, rate, jobs, run_label)
+            runs[index].append(summarize(rate, results, seconds, cfg.slo_ttft, cfg.slo_itl))
+    return [r[0] if cfg.repeat == 1 else median_of_runs(r) for r in runs]
+
+
+async def run_serve_async(cfg: ServeConfig) -> dict[str, Any]:
+    # Accept http://host:port, .../ and .../v1 alike.
+    cfg = dataclasses.replace(cfg, base_url=cfg.base_url.rstrip("/").removesuffix("/v1"))
     async with _client(cfg) as client:
         model = await resolve_model(client, cfg)
-        # Round by round (every rate once, then again), so a drift in the server's speed
-        # touches every rate alike. Seeds: rate i of round k takes seed + i + k * len(rates),
-        # so round 0 is what a single run sends.
-        for k in range(cfg.repeat):
-            label = f", run {k + 1}/{cfg.repeat}" if cfg.repeat > 1 else ""
-            for index, rate in enumerate(rates):
-                jobs = make_jobs(cfg, rate, cfg.seed + index + k * len(rates))
-                results, seconds = await run_rate(client, cfg, model, rate, jobs, label)
-                runs[index].append(summarize(rate, results, seconds, cfg.slo_ttft, cfg.slo_itl))
-    per_rate = [r[0] if cfg.repeat == 1 else median_of_runs(r) for r in runs]
-    return {"config": _config_dict(cfg), "model": model, "rates": per_rate}
+        report = {"config": _config_dict(cfg), "model": model}
+        report["rates"] = await _ladder(client, cfg, model)
+        if cfg.with_batch:
+            report["with_batch"] = await _beside_batch(client, cfg, model, report)
+    return report
+
+
+async def _beside_batch(
+    client: httpx.AsyncClient, cfg: ServeConfig, model: str, alone: dict[str, Any]
+) -> dict[str, Any]:
+    """The ladder again while a batch of `cfg.with_batch` lines runs; the batch is cancelled
+    afterwards whatever happened."""
+    from qiao.bench.serve_batch import BackgroundBatch, batch_progress, compare
+
+    assert cfg.with_batch is not None
+    batch = BackgroundBatch(client, cfg, model)
+    try:
+        before = await batch.start(cfg.with_batch)
+        start = time.perf_counter()
+        rates = await _ladder(client, cfg, model, label=", beside a batch")
+        seconds = time.perf_counter() - start
+        after = await batch.retrieve()
+    finally:
+        await batch.cancel()
+    lo, hi = cfg.output_len.lo, cfg.output_len.hi
+    out = {"rates": rates, "batch": batch_progress(before, after, seconds, (lo + hi) / 2)}
+    out["comparison"] = compare(alone, out)
+    return out
 
 
 def run_serve(cfg: ServeConfig) -> dict[str, Any]:

@@ -134,10 +134,29 @@ def format_serve(report: dict[str, Any]) -> str:
         f"{c['input_len']} words, output {c['output_len']} tokens; "
         f"SLO TTFT <= {c['slo_ttft']} s, mean ITL <= {c['slo_itl']} s"
         + (f"; medians of {c['repeat']} runs per rate" if c.get("repeat", 1) > 1 else ""),
-        f"{'rate':>6} {'done':>5} {'err':>4} {'req/s':>7} {'tok/s':>8} {'good/s':>7}  "
-        + "  ".join(f"{name + ' p50/p90/p99 ms':>24}" for _, name in _METRICS),
     ]
-    for r in report["rates"]:
+    lines.extend(_rate_lines(report["rates"]))
+    lines.append(_best_line(report))
+    if "with_batch" in report:
+        lines.extend(_beside_batch_lines(report["with_batch"]))
+    return "\n".join(lines)
+
+
+def _best_line(report: dict[str, Any]) -> str:
+    best = max_rate_within_p99_slo(report)
+    return "highest rate with p99 TTFT and p99 ITL within the SLO: " + (
+        "none"
+        if best is None
+        else f"{best['request_rate']} req/s ({best['output_token_throughput']:.1f} output tok/s)"
+    )
+
+
+def _rate_lines(rates: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'rate':>6} {'done':>5} {'err':>4} {'req/s':>7} {'tok/s':>8} {'good/s':>7}  "
+        + "  ".join(f"{name + ' p50/p90/p99 ms':>24}" for _, name in _METRICS)
+    ]
+    for r in rates:
         cells = ["/".join(_ms(r[key][f"p{p}"]) for p in PERCENTILES) for key, _ in _METRICS]
         lines.append(
             f"{r['request_rate']!s:>6} {r['num_completed']:>5} {r['num_errors']:>4} "
@@ -150,16 +169,38 @@ def format_serve(report: dict[str, Any]) -> str:
             )
             lines.append(f"       runs' p99 TTFT/ITL ms: {tails}")
         lines.extend(f"       error x{n}: {msg}" for msg, n in r["errors"].items())
-    best = max_rate_within_p99_slo(report)
+    return lines
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _beside_batch_lines(beside: dict[str, Any]) -> list[str]:
+    batch, comparison = beside["batch"], beside["comparison"]
+    lines = [
+        f"beside batch {batch['id']} ({batch['total_lines']} lines):",
+        *_rate_lines(beside["rates"]),
+    ]
+    lines.append(_best_line(beside))
     lines.append(
-        "highest rate with p99 TTFT and p99 ITL within the SLO: "
-        + (
-            "none"
-            if best is None
-            else f"{best['request_rate']} req/s ({best['output_token_throughput']:.1f} output tok/s)"
-        )
+        f"the batch meanwhile: {batch['lines_during_ladder']} lines, "
+        f"{batch['lines_per_s']:.2f} lines/s, ~{batch['output_tokens_per_s']:.0f} output tok/s; "
+        f"{batch['status_after']} at the end"
+        + ("" if batch["ran_throughout"] else " (it ended early: later rates ran alone)")
     )
-    return "\n".join(lines)
+    lines.append("beside the batch / alone, per rate: goodput, p50 TTFT, p50 ITL")
+    lines.extend(
+        f"{r['request_rate']!s:>6}  {_ratio(r['goodput_ratio']):>7} "
+        f"{_ratio(r['ttft_p50_ratio']):>7} {_ratio(r['itl_p50_ratio']):>7}"
+        for r in comparison["rates"]
+    )
+    lines.append(
+        f"SLO rate: {comparison['slo_rate_alone']} req/s alone, "
+        f"{comparison['slo_rate_beside_batch']} req/s beside the batch "
+        f"({_ratio(comparison['slo_rate_ratio'])})"
+    )
+    return lines
 
 
 def plot_serve(report: dict[str, Any], path: str | Path) -> None:

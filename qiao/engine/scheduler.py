@@ -90,79 +90,113 @@ class Scheduler:
 
     def _key(self, request: Request) -> tuple[int, int, int]:
         """Smaller is admitted first and preempted last: foreground before background, then
-        the policy's order."""
-        return (int(self.is_background(request)), *request.sort_key(self.use_priority))
+        the policy's order (background requests always by priority: a batch's own priority)."""
+        background = self.is_background(request)
+        return (int(background), *request.sort_key(self.use_priority or background))
 
-    def _background_limits(self, full_budget: int, max_seqs: int) -> tuple[int, int]:
-        """(sequences, tokens) background requests may take in this step: all of them while
-        no other request runs or waits (the spare capacity), else their share."""
+    def _foreground_waiting(self) -> int:
+        """Online requests waiting (the heap keeps them ahead of every background one)."""
         if self.config.background_priority is None:
-            return max_seqs, full_budget
-        foreground = (self.waiting and not self.is_background(self.waiting[0][2])) or any(
-            not self.is_background(r) for r in self.running
+            return len(self.waiting)
+        return sum(1 for _, _, r in self.waiting if not self.is_background(r))
+
+    def _background_limits(
+        self, full_budget: int, max_seqs: int, foreground_tokens: int, foreground_seqs: int
+    ) -> tuple[int, int]:
+        """(sequences, tokens) background requests may take in this step: all of them while no
+        other request runs or waits (the spare capacity), else at most their share of what the
+        online requests took in it (at least one of each, so a batch never stops for good)."""
+        foreground = foreground_seqs or (
+            self.waiting and not self.is_background(self.waiting[0][2])
         )
         if not foreground:
             return max_seqs, full_budget
         share = self.config.background_share
-        return max(1, int(share * max_seqs)), max(1, int(share * full_budget))
+        return max(1, int(share * foreground_seqs)), max(1, int(share * foreground_tokens))
 
     def _make_room_for_foreground(
-        self,
-        background_seq_limit: int,
-        max_seqs: int,
-        scheduled: dict[str, ScheduledRequest],
-        out: SchedulerOutput,
+        self, max_seqs: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
     ) -> None:
-        """A request waits while background work holds every seat (it took them while there was
-        nothing else): preempt background requests down to their share."""
-        if not self.waiting or self.is_background(self.waiting[0][2]):
+        """Online requests wait while background work holds the seats they need (it took them
+        while there was nothing else): preempt the youngest background requests to free them."""
+        if self.config.background_priority is None:
             return
-        while len(self.running) >= max_seqs:
+        needed = self._foreground_waiting()
+        while needed and len(self.running) + needed > max_seqs:
             background = [r for r in self.running if self.is_background(r)]
-            if len(background) <= background_seq_limit:
+            if not background:
                 return
             self._preempt(max(background, key=self._key), scheduled, out)
 
     def schedule(self) -> SchedulerOutput:
+        """Online (foreground) requests first: the running ones, then the waiting ones; then
+        background requests within what `_background_limits` leaves them. Without a background
+        priority every request is foreground."""
         out = SchedulerOutput()
         full_budget, max_seqs = self._step_budget()
         budget = full_budget
-        background_seq_limit, background_token_limit = self._background_limits(
-            full_budget, max_seqs
-        )
         self._background_tokens = 0
-        background_seqs = 0
         scheduled: dict[str, ScheduledRequest] = {}
         while len(self.running) > min(budget, max_seqs):  # under an out-of-memory cap
             victim = max(self.running, key=self._key)
             self._preempt(victim, scheduled, out)
-        self._make_room_for_foreground(background_seq_limit, max_seqs, scheduled, out)
+        self._make_room_for_foreground(max_seqs, scheduled, out)
+        budget, foreground_preempted = self._schedule_running(
+            budget, scheduled, out, background=False
+        )
+        if not foreground_preempted:
+            budget = self._admit_waiting(budget, scheduled, out, max_seqs, None)
+        if self.config.background_priority is not None:
+            foreground = [s for s in scheduled.values() if not self.is_background(s.request)]
+            limits = self._background_limits(
+                full_budget, max_seqs, sum(len(s.token_ids) for s in foreground), len(foreground)
+            )
+            budget, _ = self._schedule_running(
+                budget, scheduled, out, background=True, limits=limits
+            )
+            if not out.preempted_req_ids:
+                budget = self._admit_waiting(budget, scheduled, out, max_seqs, limits)
+        out.scheduled = list(scheduled.values())
+        out.num_scheduled_tokens = full_budget - budget
+        return out
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+        background: bool,
+        limits: tuple[int, int] | None = None,
+    ) -> tuple[int, bool]:
+        """Give running requests of one kind (online or background, within `limits`) their next
+        tokens. Returns the budget left and whether a request of this kind was preempted."""
+        seq_limit, token_limit = limits or (0, 0)
+        num_seqs = 0
+        preempted = False
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or self.is_background(request) != background:
+                continue  # preempted earlier in this loop, or the other kind
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            background = self.is_background(request)
             if background:
-                num_new = min(num_new, background_token_limit - self._background_tokens)
-                if num_new <= 0 or background_seqs >= background_seq_limit:
-                    continue  # the background share of this step is spent: it waits
+                num_new = min(num_new, token_limit - self._background_tokens)
+                if num_new <= 0 or num_seqs >= seq_limit:
+                    break  # the background share of this step is spent: the rest wait
+            before = len(out.preempted_req_ids)
             allocated, given_back = self._allocate_or_preempt(request, num_new, scheduled, out)
+            victims = out.preempted_req_ids[before:]
+            preempted |= any(self.is_background(self.requests[r]) == background for r in victims)
             # Victims scheduled earlier in this loop hand their tokens back to the budget.
             budget += given_back
             if not allocated:
                 continue
             scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
+            num_seqs += 1
             if background:
                 self._background_tokens += num_new
-                background_seqs += 1
-        if not out.preempted_req_ids:
-            budget = self._admit_waiting(budget, scheduled, max_seqs, full_budget)
-        out.scheduled = list(scheduled.values())
-        out.num_scheduled_tokens = full_budget - budget
-        return out
+        return budget, preempted
 
     def _step_budget(self) -> tuple[int, int]:
         """(tokens, sequences) this step may take: the configured ones, or an out-of-memory cap
@@ -270,35 +304,32 @@ class Scheduler:
         self,
         budget: int,
         scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
         max_seqs: int,
-        full_budget: int,
+        limits: tuple[int, int] | None,
     ) -> int:
-        seq_limit, token_limit = self._background_limits(full_budget, max_seqs)
+        """Admit waiting requests in heap order: online ones when `limits` is None (seats and
+        blocks that background requests hold are taken back for them), background ones within
+        `limits`."""
+        background_pass = limits is not None
+        seq_limit, token_limit = limits or (0, 0)
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0][2]
             background = self.is_background(request)
+            if background != background_pass:
+                break  # every request behind it is background too
             allowance = budget
-            if background:  # every request behind it is background too
+            if background:
                 running = sum(1 for r in self.running if self.is_background(r))
                 allowance = min(budget, token_limit - self._background_tokens)
                 if running >= seq_limit or allowance <= 0:
                     break
-            if request.needs_prompt_logprobs:  # every prompt position must be computed
-                hits, num_hit_tokens = [], 0
-            else:
-                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
-            request.num_computed_tokens = num_hit_tokens
-            num_new = request.num_tokens - num_hit_tokens
-            if num_new > allowance:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = allowance
-            if not self.block_manager.allocate_slots(request, num_new, hits):
-                request.num_computed_tokens = 0
+            num_new = self._allocate_prompt(request, allowance, scheduled, out)
+            if num_new is None:
                 break
             heapq.heappop(self.waiting)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -307,6 +338,36 @@ class Scheduler:
             if background:
                 self._background_tokens += num_new
         return budget
+
+    def _allocate_prompt(
+        self,
+        request: Request,
+        allowance: int,
+        scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+    ) -> int | None:
+        """Take cached prefix blocks and slots for a waiting request's next chunk (at most
+        `allowance` tokens); an online request may preempt background ones for the slots.
+        Returns the tokens scheduled, or None when it cannot start now."""
+        while True:
+            if request.needs_prompt_logprobs:  # every prompt position must be computed
+                hits, num_hit_tokens = [], 0
+            else:
+                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > allowance:
+                if not self.config.enable_chunked_prefill:
+                    request.num_computed_tokens = 0
+                    return None
+                num_new = allowance
+            if self.block_manager.allocate_slots(request, num_new, hits):
+                return num_new
+            request.num_computed_tokens = 0
+            background = [r for r in self.running if self.is_background(r)]
+            if self.is_background(request) or not background:
+                return None
+            self._preempt(max(background, key=self._key), scheduled, out)
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
