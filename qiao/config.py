@@ -113,16 +113,21 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     # Requests at this priority or less urgent (a larger number) are background work (batch
-    # lines): queued behind every other request whatever the policy, preempted first, and, while
-    # any other request runs or waits, given at most `background_share` of a step's sequences
-    # and tokens (the others wait, keeping their cache); with no other request they take the
-    # whole step. None: no request is background.
+    # lines): queued behind every other request whatever the policy (and among themselves by
+    # priority), preempted first, and, while any other request runs or waits, given at most
+    # `background_share` of the sequences and tokens the other requests took in the step (at
+    # least one of each; the others wait, keeping their cache); with no other request they take
+    # the whole step. None: no request is background.
     background_priority: int | None = None
     background_share: float = 1.0
+    # Seconds after the last step with another request during which background work stays held
+    # to the share of that step (a client sending requests back to back meets short steps).
+    background_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(0.0 < self.background_share <= 1.0, "background_share", "must be in (0, 1]")
+        _require(self.background_hold_s >= 0.0, "background_hold_s", "must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(
             self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}"
@@ -161,6 +166,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         background_priority: int | None = None,
         background_share: float = 1.0,
+        background_hold_s: float = 0.0,
         seed: int = 0,
         device: str = "auto",
         skip_tokenizer_init: bool = False,
@@ -196,6 +202,7 @@ class EngineConfig:
                 policy=scheduling_policy,
                 background_priority=background_priority,
                 background_share=background_share,
+                background_hold_s=background_hold_s,
             ),
             device=device,
             cuda_graphs=cuda_graphs,

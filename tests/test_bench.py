@@ -397,3 +397,40 @@ def test_serve_counts_errors_without_failing(qiao_server: str, tmp_path: Path) -
 
 def test_all_shapes_are_listed() -> None:
     assert {"smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b", "tiny"} <= set(SHAPES)
+
+
+def test_serve_with_batch_comparison_ratios_and_slo_rates() -> None:
+    from qiao.bench.serve_batch import batch_progress, compare
+
+    def rate(r: float | str, goodput: float, ttft: float, itl: float) -> dict:
+        return {
+            "request_rate": r,
+            "goodput": goodput,
+            "num_errors": 0,
+            "slo": {"ttft_s": 1.0, "itl_s": 0.1},
+            "ttft_s": {"p50": ttft, "p99": ttft},
+            "itl_s": {"p50": itl, "p99": itl},
+        }
+
+    alone = {"rates": [rate(2.0, 2.0, 0.1, 0.01), rate(4.0, 4.0, 0.5, 0.05)]}
+    beside = {"rates": [rate(2.0, 1.5, 0.2, 0.02), rate(4.0, 3.0, 2.0, 0.05)]}
+    out = compare(alone, beside)
+    assert [r["goodput_ratio"] for r in out["rates"]] == [0.75, 0.75]
+    assert [r["ttft_p50_ratio"] for r in out["rates"]] == [2.0, 4.0]
+    # Alone 4 req/s met the SLO; beside the batch only 2 did (its p99 TTFT 2 s > 1 s).
+    assert (out["slo_rate_alone"], out["slo_rate_beside_batch"], out["slo_rate_ratio"]) == (
+        4.0,
+        2.0,
+        0.5,
+    )
+    none_beside = {"rates": [rate(2.0, 1.0, 3.0, 0.01), rate(4.0, 1.0, 3.0, 0.05)]}
+    assert compare(alone, none_beside)["slo_rate_ratio"] == 0.0
+    before = {"id": "b", "status": "in_progress", "request_counts": {"completed": 10, "failed": 2}}
+    after = {
+        "id": "b",
+        "status": "completed",
+        "request_counts": {"total": 50, "completed": 40, "failed": 2},
+    }
+    progress = batch_progress(before, after, 10.0, 32.0)
+    assert progress["lines_during_ladder"] == 30 and progress["lines_per_s"] == 3.0
+    assert progress["output_tokens_per_s"] == 96.0 and not progress["ran_throughout"]

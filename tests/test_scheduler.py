@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from hypothesis import HealthCheck, given, settings
@@ -652,3 +653,25 @@ def test_background_requests_run_by_priority_even_under_fcfs():
     sched.add_request(later)
     sched.add_request(sooner)
     assert [s.request for s in step(sched).scheduled] == [sooner]
+
+
+def test_background_work_stays_held_within_the_hold_window():
+    bm = BlockManager(256, BLOCK, enable_prefix_caching=False)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        background_priority=10,
+        background_share=0.5,
+        background_hold_s=3600.0,
+    )
+    sched = Scheduler(config, bm)
+    online = make_request([1, 2], max_tokens=1)
+    sched.add_request(online)
+    step(sched)  # the online request's only step: it finishes
+    assert online.is_finished
+    for _ in range(4):
+        sched.add_request(make_request([3, 4, 5, 6], max_tokens=8, priority=10))
+    out = step(sched)  # no online work now, but it was seen a moment ago: share of its step
+    assert len(out.scheduled) == 1 and out.num_scheduled_tokens == 1
+    sched.config = dataclasses.replace(config, background_hold_s=0.0)
+    assert len(step(sched).scheduled) == 4  # without the window: the whole step

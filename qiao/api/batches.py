@@ -9,17 +9,20 @@ completed; failed when the input cannot run at all; expired when its completion 
 
 Every finished line is recorded in the store before it counts, so a batch survives a restart:
 the server resumes unfinished batches when it starts and runs only their unrecorded lines.
-Lines run at `--batch-priority` (less urgent than online requests), at most
-`--batch-max-in-flight` of a batch at once and `--batch-concurrency` batches at once; each is
-answered as its route would answer it (`batch_requests`). A line interrupted by the server
-stopping, or refused for a passing reason (503: an engine restarting, a full queue), is not
-recorded: it runs again (after a pause, or on the next start).
+Lines run at `--batch-priority` plus the batch's `metadata.priority` (0 to 1000, default 0:
+less urgent than online requests, and larger numbers after smaller ones), at most
+`--batch-max-in-flight` of a batch at once and `--batch-concurrency` batches at once, waiting
+batches by the same priority; each is answered as its route would answer it
+(`batch_requests`). A line interrupted by the server stopping, or refused for a passing reason
+(503: an engine restarting, a full queue), is not recorded: it runs again (after a pause, or on
+the next start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import re
@@ -54,6 +57,8 @@ logger = logging.getLogger("qiao.batches")
 router = APIRouter()
 
 MAX_METADATA_PAIRS = 16
+# metadata.priority: a batch's own priority, 0 (the default, first) to this (last).
+MAX_JOB_PRIORITY = 1000
 FLUSH_INTERVAL_S = 0.5  # most time between recording finished lines
 RETRY_PAUSE_S = 1.0  # before running again the lines refused for a passing reason
 MAX_WINDOW_S = 7 * 24 * 3600
@@ -99,6 +104,7 @@ async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
             "metadata: at most 16 pairs, keys up to 64 and values up to 512 characters",
             param="metadata",
         )
+    job_priority(metadata)  # a bad one is refused now, not when the batch runs
     target = (metadata or {}).get("webhook_url")
     if target is not None:
         try:
@@ -146,7 +152,7 @@ async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
     }
     created = store_of(request).add_batch(owner_of(request), doc)
     logger.info("batch %s: validating (%s, file %s)", created["id"], body.endpoint, source.id)
-    worker(request).submit(created["id"])
+    worker(request).submit(created["id"], job_priority(metadata))
     return _public(created)
 
 
@@ -191,6 +197,23 @@ async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
     return _public(doc)
 
 
+def job_priority(metadata: dict[str, str] | None) -> int:
+    """A batch's `metadata.priority`: 0 (the default) runs first, larger ones later. It orders
+    the batches waiting for a worker, and its lines' engine priority is `--batch-priority` plus
+    it, so among batches running at once the engine also serves the smaller first."""
+    text = (metadata or {}).get("priority")
+    if text is None:
+        return 0
+    if not re.fullmatch(r"\d{1,4}", text.strip()) or int(text) > MAX_JOB_PRIORITY:
+        raise APIError(
+            400,
+            f"metadata.priority: {text!r} must be an integer from 0 (first, the default) to "
+            f"{MAX_JOB_PRIORITY} (last)",
+            param="metadata",
+        )
+    return int(text)
+
+
 def _owned_batch(request: Request, batch_id: str) -> dict[str, Any]:
     doc = store_of(request).get_batch(batch_id, owner_of(request))
     if doc is None:
@@ -210,13 +233,15 @@ def worker(request: Request) -> BatchWorker:
 
 
 class BatchWorker:
-    """Runs batches in the server's event loop: `--batch-concurrency` at once, in creation
-    order. `start` resumes the unfinished batches of an existing store."""
+    """Runs batches in the server's event loop: `--batch-concurrency` at once, by
+    `metadata.priority`, then in creation order. `start` resumes the unfinished batches of an existing store."""
 
     def __init__(self, app_state: Any) -> None:
         self.state = app_state
         self.settings = app_state.settings
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        # (metadata.priority, submission order, id): the smallest runs next.
+        self._queue: asyncio.PriorityQueue[tuple[int, int, str]] = asyncio.PriorityQueue()
+        self._submitted = itertools.count()
         self._cancelled: dict[str, asyncio.Event] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
         self._loops: list[asyncio.Task[None]] = []
@@ -243,7 +268,8 @@ class BatchWorker:
         if (self.settings.data_dir / "qiao.sqlite").exists():
             for batch_id in self.store.unfinished_batch_ids():
                 logger.info("batch %s: resuming", batch_id)
-                self.submit(batch_id)
+                doc = self.store.get_batch(batch_id) or {}
+                self.submit(batch_id, job_priority(doc.get("metadata")))
             for doc in self.store.batches_with_pending_webhooks():
                 self._deliver_pending(doc)
 
@@ -256,8 +282,8 @@ class BatchWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    def submit(self, batch_id: str) -> None:
-        self._queue.put_nowait(batch_id)
+    def submit(self, batch_id: str, priority: int = 0) -> None:
+        self._queue.put_nowait((priority, next(self._submitted), batch_id))
 
     def cancel(self, batch_id: str) -> None:
         self._cancel_event(batch_id).set()
@@ -267,7 +293,7 @@ class BatchWorker:
 
     async def _loop(self) -> None:
         while True:
-            batch_id = await self._queue.get()
+            _, _, batch_id = await self._queue.get()
             task = asyncio.ensure_future(self._run(batch_id))
             self._running[batch_id] = task
             try:
@@ -425,7 +451,7 @@ class BatchWorker:
                 code="model_not_found",
             )
         served = self.state.router.get(name, version, user=line.body.get("user"))
-        priority = self.settings.batch_priority
+        priority = self.settings.batch_priority + job_priority(doc.get("metadata"))
         if line.url == "/v1/embeddings":
             if not isinstance(served, EncoderVersion):
                 raise APIError(400, f"model {model!r} is a generative model", param="model")

@@ -83,6 +83,7 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
         scheduling_policy=settings.scheduling_policy,
         background_priority=settings.batch_priority,
         background_share=settings.batch_share,
+        background_hold_s=settings.batch_yield_window,
         cuda_graphs=settings.cuda_graphs_choice,
     )
     return config, num_threads
@@ -232,7 +233,11 @@ def build_app(settings: ServeSettings) -> Any:
                 seed=settings.seed,
                 in_process_engine=settings.in_process_engine,
                 log_level=settings.log_level.upper(),
-                background=(settings.batch_priority, settings.batch_share),
+                background=(
+                    settings.batch_priority,
+                    settings.batch_share,
+                    settings.batch_yield_window,
+                ),
             ),
             root,
             mode=settings.model_control_mode,

@@ -244,8 +244,17 @@ class ServeSettings(BaseSettings):
         0.25,
         gt=0,
         le=1,
-        description="most of an engine step's sequences and tokens background work may take "
-        "while online requests run or wait (alone it takes the whole step)",
+        description="while online requests run or wait, background (batch) work may add to an "
+        "engine step at most this fraction of the sequences and tokens the online requests took "
+        "in it (at least one of each); alone it takes the whole step",
+    )
+    batch_yield_window: float = Field(
+        0.0,
+        ge=0,
+        description="seconds after the last online work during which batch work stays held to "
+        "--batch-share of it, so a client sending requests back to back meets short engine "
+        "steps (its first token waits less) at the cost of the batch's speed; 0: only while "
+        "online requests run or wait",
     )
 
     # --- operations ----------------------------------------------------------------------------

@@ -50,6 +50,8 @@ class Scheduler:
         self._steps_under_cap = 0
         self._cap_growth_steps = CAP_GROWTH_STEPS
         self._background_tokens = 0  # background tokens scheduled in the step being built
+        # (time, tokens, sequences) of the last step with online work (`background_hold_s`).
+        self._last_foreground: tuple[float, int, int] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -105,11 +107,17 @@ class Scheduler:
     ) -> tuple[int, int]:
         """(sequences, tokens) background requests may take in this step: all of them while no
         other request runs or waits (the spare capacity), else at most their share of what the
-        online requests took in it (at least one of each, so a batch never stops for good)."""
-        foreground = foreground_seqs or (
-            self.waiting and not self.is_background(self.waiting[0][2])
-        )
-        if not foreground:
+        online requests took in it (at least one of each, so a batch never stops for good).
+        Within `background_hold_s` of the last step with online work, its figures still hold."""
+        waiting = self.waiting and not self.is_background(self.waiting[0][2])
+        if foreground_seqs or waiting:
+            self._last_foreground = (time.monotonic(), foreground_tokens, foreground_seqs)
+        elif (
+            self._last_foreground is not None
+            and time.monotonic() - self._last_foreground[0] < self.config.background_hold_s
+        ):
+            _, foreground_tokens, foreground_seqs = self._last_foreground
+        else:
             return max_seqs, full_budget
         share = self.config.background_share
         return max(1, int(share * foreground_seqs)), max(1, int(share * foreground_tokens))

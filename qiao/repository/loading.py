@@ -31,11 +31,12 @@ class VersionBuilder:
         seed: int = 0,
         in_process_engine: bool = False,
         log_level: str = "INFO",
-        background: tuple[int, float] | None = None,
+        background: tuple[int, float, float] | None = None,
     ) -> None:
         """Versions run in their own supervised process (an LLM's engine, an encoder), unless
         `in_process_engine` (an LLM engine's thread, an encoder in its batcher's thread).
-        `background`: (priority, share) of the LLM engines' background work (batch lines)."""
+        `background`: (priority, share, hold seconds) of the LLM engines' background work (batch
+        lines)."""
         self.limits = limits
         self.background = background
         self.seed = seed
@@ -104,7 +105,10 @@ class VersionBuilder:
         if config.llm is None or "seed" not in config.llm.model_fields_set:
             kwargs["seed"] = self.seed
         if self.background is not None:
-            kwargs["background_priority"], kwargs["background_share"] = self.background
+            priority, share, hold = self.background
+            kwargs.update(
+                background_priority=priority, background_share=share, background_hold_s=hold
+            )
         engine_config = EngineConfig.create(str(vdir.path), **kwargs)
         limits = dataclasses.replace(self.limits, breaker=self.breaker_config(entry))
         if self.in_process_engine:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -180,8 +181,93 @@ def test_bad_batch_requests_are_4xx(server: SubprocessServer) -> None:
             input_file_id=upload.id, endpoint="/v1/completions", completion_window="forever"
         )
     assert window.value.body["param"] == "completion_window"
+    for priority in ("high", "-1", "1001"):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.batches.create(
+                input_file_id=upload.id,
+                endpoint="/v1/completions",
+                completion_window="24h",
+                metadata={"priority": priority},
+            )
+        assert bad.value.body["param"] == "metadata" and "metadata.priority" in str(bad.value)
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_missing")
+
+
+def test_waiting_batches_run_by_their_priority(server: SubprocessServer) -> None:
+    """One batch runs at a time (--batch-concurrency 1): behind a running one, a later batch of
+    priority 0 overtakes an earlier one of priority 9."""
+    client = openai_client(server.base_url)
+
+    def create(lines: int, tokens: int, **metadata: str) -> Any:
+        upload = client.files.create(file=("p.jsonl", _many(lines, tokens)), purpose="batch")
+        return client.batches.create(
+            input_file_id=upload.id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            metadata=metadata or None,
+        )
+
+    blocker = create(400, 64)
+    wait_until(
+        lambda: client.batches.retrieve(blocker.id).status == "in_progress", 60, "the blocker"
+    )
+    late = create(200, 32, priority="9")
+    urgent = create(1, 2)  # priority 0, the default
+    client.batches.cancel(blocker.id)
+    assert _finish(client, urgent.id).status == "completed"
+    behind = client.batches.retrieve(late.id)
+    assert behind.status in ("validating", "in_progress"), behind.status
+    assert behind.request_counts.completed < 200
+    assert _finish(client, late.id).status == "completed"
+
+
+def _online_ttft(base_url: str, count: int) -> list[float]:
+    """Time to the first streamed token of `count` online completions, one after another."""
+    times = []
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for i in range(count):
+            body = {"model": LLM, "prompt": f"Online {i}:", "max_tokens": 8, "stream": True}
+            start = time.perf_counter()
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                first = None
+                for line in response.iter_lines():
+                    if first is None and line.startswith("data: ") and '"text"' in line:
+                        first = time.perf_counter() - start
+            assert first is not None
+            times.append(first)
+    return times
+
+
+def test_online_requests_keep_their_latency_beside_a_batch(server: SubprocessServer) -> None:
+    """Batch lines yield to online requests: with a batch of 500 lines running, the online p50
+    time to first token stays near its figure without it (loosely: within 2x plus 20 ms, side
+    by side in this test; a request waits for at most the step in flight), while the batch keeps
+    moving."""
+    client = openai_client(server.base_url)
+    _online_ttft(server.base_url, 3)  # warm-up
+    alone = statistics.median(_online_ttft(server.base_url, 20))
+    upload = client.files.create(file=("b.jsonl", _many(500, 64)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    try:
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5,
+            60,
+            "the batch's first lines",
+        )
+        before = client.batches.retrieve(batch.id).request_counts.completed
+        beside = statistics.median(_online_ttft(server.base_url, 20))
+        after = client.batches.retrieve(batch.id)
+    finally:
+        client.batches.cancel(batch.id)
+    print(f"online p50 TTFT: {alone * 1e3:.1f} ms alone, {beside * 1e3:.1f} ms beside the batch")
+    assert after.status == "in_progress", "the batch ended before the online requests did"
+    assert after.request_counts.completed > before  # it used the spare capacity
+    assert beside <= 2 * alone + 0.020
+    assert _finish(client, batch.id).status == "cancelled"
 
 
 def _many(count: int, max_tokens: int, **extra: Any) -> bytes:
@@ -294,3 +380,42 @@ def test_a_killed_server_resumes_its_batch(tmp_path: Path) -> None:
     assert finished.returncode == 0, finished.stderr[-3000:]
     want = _without_run_ids([json.loads(line) for line in offline.read_text().splitlines()])
     assert _without_run_ids(records) == want
+
+
+def test_bench_serve_with_batch_compares_alone_and_beside(server: SubprocessServer) -> None:
+    """`qiao bench serve --with-batch`: the ladder alone, then beside a batch it starts on the
+    server, side by side; the batch is cancelled afterwards."""
+    from qiao.bench.common import LengthSpec
+    from qiao.bench.serve import ServeConfig, run_serve
+    from qiao.bench.serve_report import format_serve
+
+    cfg = ServeConfig(
+        base_url=server.base_url,
+        model=LLM,
+        request_rates=(20.0, float("inf")),
+        num_prompts=6,
+        input_len=LengthSpec(4, 8),
+        output_len=LengthSpec(8, 8),
+        with_batch=400,
+        show_progress=False,
+    )
+    report = run_serve(cfg)
+    beside = report["with_batch"]
+    assert [r["num_completed"] for r in report["rates"]] == [6, 6]
+    assert [r["num_completed"] for r in beside["rates"]] == [6, 6]
+    batch = beside["batch"]
+    assert (
+        batch["total_lines"] == 400
+        and batch["ran_throughout"]
+        and batch["status_after"] == ("in_progress")
+    )
+    comparison = beside["comparison"]
+    assert [r["request_rate"] for r in comparison["rates"]] == [20.0, "inf"]
+    pairs = zip(report["rates"], beside["rates"], comparison["rates"], strict=True)
+    for alone, near, ratio in pairs:
+        assert ratio["goodput_ratio"] == pytest.approx(near["goodput"] / alone["goodput"])
+    client = openai_client(server.base_url)
+    done = _finish(client, batch["id"])
+    assert done.status == "cancelled"  # the bench left the server as it found it
+    text = format_serve(report)
+    assert f"beside batch {batch['id']} (400 lines)" in text and "SLO rate:" in text
