@@ -89,6 +89,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser, *, default_model: str | N
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N ranks (torch.distributed: gloo on the CPU, NCCL on CUDA; "
+        "one worker process per extra rank; heads, KV heads and MLP width must divide by N; "
+        "default 1)",
+    )
+    g.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -210,6 +218,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "batch_invariant": bool(args.batch_invariant),
         "device": args.device,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": args.cuda_graphs,
         "num_threads": args.num_threads,
         "profile": args.profile,

@@ -144,6 +144,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     # CUDA graphs for pure-decode steps; None: on for a CUDA device, off elsewhere.
     cuda_graphs: bool | None = None
+    # Ranks the model is split over (torch.distributed, one process per rank; 1: no split).
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -173,6 +175,7 @@ class EngineConfig:
         quantization: str | None = None,
         cuda_graphs: bool | None = None,
         batch_invariant: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         return cls(
@@ -206,6 +209,7 @@ class EngineConfig:
             ),
             device=device,
             cuda_graphs=cuda_graphs,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,9 +224,11 @@ class EngineConfig:
             scheduler=SchedulerConfig(**data["scheduler"]),
             device=data["device"],
             cuda_graphs=data["cuda_graphs"],
+            tensor_parallel_size=data.get("tensor_parallel_size", 1),
         )
 
     def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
             _require(
                 self.scheduler.max_num_batched_tokens >= self.model.max_model_len,

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qiao"
 LAYERS = {
     "qiao.hal": 0,
     "qiao.kernels": 0,
+    "qiao.distributed": 0,
     "qiao.attention": 1,
     "qiao.layers": 2,
     "qiao.models": 3,

@@ -50,6 +50,7 @@ _ENGINE_SETTINGS = (
     "enable_chunked_prefill",
     "enable_prefix_caching",
     "batch_invariant",
+    "tensor_parallel_size",
     "block_size",
     "kv_cache_memory",
     "num_kv_blocks",

@@ -79,6 +79,13 @@ class ServeSettings(BaseSettings):
         description="every token computed the same whatever its step holds: greedy output "
         "independent of the batch (CPU; matmuls in 32-row tiles)",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="split each LLM over N ranks (torch.distributed: gloo on the CPU, NCCL on "
+        "CUDA; one worker process per extra rank, started by the engine process; heads, KV heads "
+        "and MLP width must divide by N)",
+    )
     block_size: int = Field(16, description="tokens per KV block")
     kv_cache_memory: float | None = Field(
         None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"

@@ -119,6 +119,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             cuda_graphs=config.cuda_graphs,
             batch_invariant=mc.batch_invariant,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
 
     def step(self) -> list[RequestOutput]:

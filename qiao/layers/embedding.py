@@ -1,7 +1,8 @@
-"""Token embedding and LM head.
+"""Token embedding and LM head, split along the vocabulary across tensor-parallel ranks.
 
-Named for tensor parallelism (split along the vocabulary); qiao runs one rank, so each holds
-the whole vocabulary.
+Each rank holds `ceil(vocab / tp)` rows (the last rank's tail is zero padding). The embedding
+looks up the ids in its range and the ranks' rows are summed; the head computes its range's
+logits and the ranks' logits are gathered. With one rank each holds the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -10,27 +11,69 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qiao.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from qiao.errors import ModelLoadError
 from qiao.layers.linear import LinearBase
+
+
+def vocab_rows_per_rank(vocab_size: int) -> int:
+    return -(-vocab_size // tp_size())
+
+
+def load_vocab_rows(param: torch.Tensor, loaded_weight: torch.Tensor, vocab_size: int) -> None:
+    """This rank's vocabulary rows of a whole [vocab, hidden] tensor; padding rows zero."""
+    if loaded_weight.shape != (vocab_size, param.shape[1]):
+        raise ModelLoadError(
+            f"shape {tuple(loaded_weight.shape)} in the checkpoint, "
+            f"{(vocab_size, param.shape[1])} expected"
+        )
+    start = tp_rank() * param.shape[0]
+    rows = max(0, min(param.shape[0], vocab_size - start))
+    param.data.zero_()
+    param.data[:rows].copy_(loaded_weight[start : start + rows])
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_size = vocab_size
+        rows = vocab_rows_per_rank(vocab_size)
+        self.vocab_start = tp_rank() * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        load_vocab_rows(param, loaded_weight, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(LinearBase):
     """hidden [N, hidden_size] -> logits [N, vocab_size] in float32.
 
-    With tied embeddings the head is given the embedding's weight; a method that converts it
-    (packed, int8) keeps a converted copy and leaves the embedding's own tensor alone.
+    With tied embeddings the head is given the embedding's weight (the same rows on each rank);
+    a method that converts it (packed, int8) keeps a converted copy and leaves the embedding's
+    own tensor alone.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(hidden_size, vocab_size, bias=False)
+        super().__init__(hidden_size, vocab_rows_per_rank(vocab_size), bias=False)
+        self.vocab_size = vocab_size
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        load_vocab_rows(param, loaded_weight, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden).float()
+        logits = super().forward(hidden).float()
+        if tp_size() == 1:
+            return logits
+        return all_gather_last_dim(logits)[:, : self.vocab_size]

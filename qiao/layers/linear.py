@@ -1,11 +1,11 @@
 """Linear layers and how checkpoint tensors load into them.
 
-Named for tensor parallelism: column-parallel layers split their output features across ranks,
-row-parallel ones their input features (then all-reduce). qiao runs one rank, so every shard is
-the whole matrix and the all-reduce is the identity.
+Tensor parallelism (qiao/distributed/parallel_state.py): column-parallel layers keep this rank's
+slice of the output features, row-parallel ones its slice of the input features and all-reduce
+their outputs. With one rank every slice is the whole matrix and the all-reduce is the identity.
 
-Loading convention: `module.weight_loader(param, loaded_weight, shard_id)` copies one
-checkpoint tensor into `param`; fused layers place it by `shard_id`. Once every tensor is in,
+Loading convention: `module.weight_loader(param, loaded_weight, shard_id)` copies one whole
+checkpoint tensor's slice for this rank into `param`; fused layers place it by `shard_id`. Once every tensor is in,
 `prepare_linears` gives each layer its `LinearMethod` (qiao/layers/linear_method.py), which may
 replace the weight with a packed or int8 copy.
 """
@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
 from qiao.errors import ModelLoadError
 from qiao.layers.linear_method import DenseMethod, LinearMethod, choose_method
 
@@ -64,41 +65,76 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x)
 
 
+def rank_slice(loaded_weight: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """This rank's `size` rows (dim 0) or columns (dim 1) of a whole checkpoint tensor."""
+    return loaded_weight.narrow(dim, tp_rank() * size, size)
+
+
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks (whole at one rank)."""
+    """Output features split across ranks: this rank computes `output_size / tp` of them."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__(input_size, divide(output_size, "a layer's output features"), bias)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if shard_id is not None:
+            raise ModelLoadError(f"parameter of shape {tuple(param.shape)} is not fused")
+        copy_checked(param.data, rank_slice(loaded_weight, 0, param.shape[0]))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks, outputs all-reduced (identity at one rank)."""
+    """Input features split across ranks; the partial outputs are summed over the group. The
+    bias is added once (rank 0 holds it, the others zeros)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__(divide(input_size, "a layer's input features"), output_size, bias)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if shard_id is not None:
+            raise ModelLoadError(f"parameter of shape {tuple(param.shape)} is not fused")
+        if param.dim() == 1:  # the bias
+            copy_checked(param.data, loaded_weight if tp_rank() == 0 else loaded_weight * 0)
+        else:
+            copy_checked(param.data, rank_slice(loaded_weight, 1, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.method.apply(self, x))
 
 
 class MergedLinear(ColumnParallelLinear):
-    """Several projections of one input stacked along the output: shard i is `output_sizes[i]`.
+    """Several projections of one input stacked along the output: shard i is `output_sizes[i]`
+    (this rank's slice of each, stacked).
 
     E.g. gate_up_proj with output_sizes [I, I]: gate_proj loads as shard 0, up_proj as shard 1.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        self.output_sizes = [divide(n, "a merged layer's part") for n in output_sizes]
+        LinearBase.__init__(self, input_size, sum(self.output_sizes), bias)
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ModelLoadError(f"shard id {shard_id!r} of a {len(self.output_sizes)}-way merge")
-        offset = sum(self.output_sizes[:shard_id])
-        copy_checked(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded_weight)
+        offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        copy_checked(param.data.narrow(0, offset, size), rank_slice(loaded_weight, 0, size))
 
 
 class QKVLinear(ColumnParallelLinear):
-    """q, k and v projections stacked along the output: rows [q (H*D) | k (Hkv*D) | v (Hkv*D)]."""
+    """q, k and v projections stacked along the output: rows [q (H*D) | k (Hkv*D) | v (Hkv*D)]
+    of this rank's heads (H / tp query heads, Hkv / tp key-value heads)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, q_size + 2 * kv_size, bias)
+        q_size = divide(num_heads, "num_attention_heads") * head_dim
+        kv_size = divide(num_kv_heads, "num_key_value_heads") * head_dim
+        LinearBase.__init__(self, hidden_size, q_size + 2 * kv_size, bias)
         # shard id -> (first row, number of rows)
         self.shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -109,7 +145,7 @@ class QKVLinear(ColumnParallelLinear):
         if shard_id not in self.shards:
             raise ModelLoadError(f"shard id {shard_id!r} of qkv; expected 'q', 'k' or 'v'")
         offset, size = self.shards[shard_id]
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+        copy_checked(param.data.narrow(0, offset, size), rank_slice(loaded_weight, 0, size))
 
 
 def prepare_linears(

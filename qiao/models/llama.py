@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from qiao.attention.metadata import AttentionMetadata
+from qiao.distributed.parallel_state import divide
 from qiao.errors import ModelLoadError
 from qiao.layers.activation import SiluAndMul
 from qiao.layers.attention import Attention
@@ -38,15 +39,22 @@ _SHARD_OF = {part: (fused, shard) for fused, parts in _PACKED.items() for part, 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = divide(arch.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = divide(arch.num_key_value_heads, "num_key_value_heads")
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVLinear(
-            arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.attention_bias,
         )
         # Qwen2 biases q/k/v but not o.
         o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, arch.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * self.head_dim, arch.hidden_size, o_bias
+        )
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)

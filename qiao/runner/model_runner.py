@@ -9,6 +9,7 @@ Pure-decode steps may instead run padded to a static bucket and replay a CUDA gr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,6 +26,7 @@ from qiao.config import (
     DEFAULT_GPU_KV_FRACTION,
     CacheConfig,
 )
+from qiao.distributed.parallel_state import divide, tp_rank
 from qiao.errors import ConfigError
 from qiao.hal import platform
 from qiao.hal.platform import to_device_async, total_memory_bytes
@@ -34,6 +36,7 @@ from qiao.models.loader import load_model
 from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
 from qiao.runner.grammar import MaskFiller, apply_token_bitmask
 from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
+from qiao.runner.tensor_parallel import StepLayout, TPDriver
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -54,12 +57,38 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graphs: bool | None = None,
         batch_invariant: bool = False,
+        tensor_parallel_size: int = 1,
+        tp_worker: bool = False,
     ) -> None:
+        """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks'
+        worker processes (`tensor_parallel`) before it builds its slice of the model;
+        `tp_worker`: it is one of those (its group is joined already)."""
+        self.tp: TPDriver | None = None
+        if tensor_parallel_size > 1 and not tp_worker:
+            self.tp = TPDriver(
+                tensor_parallel_size,
+                {
+                    "arch": dataclasses.asdict(arch),
+                    "model_dir": model_dir,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch."),
+                    "device": str(device),
+                    "load_format": load_format,
+                    "quantization": quantization,
+                    "max_num_seqs": max_num_seqs,
+                    "max_model_len": max_model_len,
+                    "batch_invariant": batch_invariant,
+                },
+                device,
+            )
+            cuda_graphs = False  # every rank would have to replay its own graph in step
         self.arch = arch
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype or dtype  # the KV cache's storage dtype
         self.device = device
         self.max_num_seqs = max_num_seqs
+        # This rank's key-value heads (all of them without tensor parallelism).
+        self.num_kv_heads = divide(arch.num_key_value_heads, "num_key_value_heads")
         self.max_model_len = max_model_len or arch.max_position_embeddings
         # None: on for CUDA. Pure-decode steps then replay a captured graph (see cuda_graphs).
         self.use_cuda_graphs = resolve_cuda_graphs(cuda_graphs, device)
@@ -85,17 +114,39 @@ class ModelRunner:
         self.prefault_thread: threading.Thread | None = None  # the CPU KV pool's (init_kv_cache)
         self.block_size = 16
 
+    @classmethod
+    def for_worker(cls, args: dict[str, Any]) -> ModelRunner:
+        """A tensor-parallel worker rank's runner, from what rank 0 sent (`TPDriver`)."""
+        arch_fields = dict(args["arch"])
+        arch_fields["eos_token_ids"] = tuple(arch_fields["eos_token_ids"])
+        device = torch.device(args["device"])
+        if device.type == "cuda":
+            device = torch.device("cuda", tp_rank())
+            torch.cuda.set_device(device)
+        return cls(
+            ArchConfig(**arch_fields),
+            args["model_dir"],
+            dtype=getattr(torch, args["dtype"]),
+            kv_cache_dtype=getattr(torch, args["kv_cache_dtype"]),
+            device=device,
+            load_format=args["load_format"],
+            quantization=args["quantization"],
+            max_num_seqs=args["max_num_seqs"],
+            max_model_len=args["max_model_len"],
+            cuda_graphs=False,
+            batch_invariant=args["batch_invariant"],
+            tp_worker=True,
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         arch = self.arch
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return (
-            2
-            * arch.num_hidden_layers
-            * block_size
-            * arch.num_key_value_heads
-            * arch.head_dim
-            * elem
-        )
+        return 2 * arch.num_hidden_layers * block_size * self.num_kv_heads * arch.head_dim * elem
 
     def determine_num_blocks(self, cache: CacheConfig, max_useful_blocks: int) -> int:
         """Pool size from the cache config; by default never more than can ever be in use."""
@@ -126,7 +177,9 @@ class ModelRunner:
         """Allocate the pool's `num_blocks` blocks plus the scratch block (id `num_blocks`, never
         handed out) that padded decode rows write to; then capture the decode graphs if on."""
         arch = self.arch
-        shape = (2, num_blocks + 1, block_size, arch.num_key_value_heads, arch.head_dim)
+        if self.tp is not None:
+            self.tp.init_kv(num_blocks, block_size)
+        shape = (2, num_blocks + 1, block_size, self.num_kv_heads, arch.head_dim)
         # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
         self.kv_caches = [
             platform.zeros(shape, self.kv_dtype, self.device) for _ in range(arch.num_hidden_layers)
@@ -160,7 +213,7 @@ class ModelRunner:
             scratch_block=num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_blocks=min(num_blocks, -(-self.max_model_len // self.block_size)),
-            kv_bytes_per_token=2 * self.arch.num_key_value_heads * self.arch.head_dim * elem,
+            kv_bytes_per_token=2 * self.num_kv_heads * self.arch.head_dim * elem,
         )
         self.decode_graphs = DecodeGraphs(self.model, layout, self.device)
         if capture:
@@ -178,7 +231,10 @@ class ModelRunner:
             hidden = self.decode_graphs.run(scheduler_output)
             last_token = np.arange(len(scheduled))
         if hidden is None:
-            input_ids, positions, metadata = self._prepare_inputs(scheduler_output)
+            layout = self._layout(scheduler_output)
+            if self.tp is not None:
+                self.tp.forward(layout)
+            input_ids, positions, metadata = self._inputs(layout)
             hidden = self.model(input_ids, positions, metadata)
             # The last token of sequence i sits at query_start_loc[i + 1] - 1.
             last_token = metadata.query_start_loc_cpu[1:] - 1
@@ -190,7 +246,7 @@ class ModelRunner:
         if not sample_rows:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         rows = to_device_async(last_token[sample_rows], self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self._logits(hidden, rows)
         requests = [scheduled[i].request for i in sample_rows]
         constrained = [j for j, r in enumerate(requests) if r.grammar is not None]
         if constrained:
@@ -237,7 +293,7 @@ class ModelRunner:
             end = begin + _PROMPT_LOGPROB_ROWS
             index = torch.tensor(rows[begin:end], device=hidden.device)
             target = torch.tensor(targets[begin:end], device=hidden.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+            logprobs = torch.log_softmax(self._logits(hidden, index).float(), dim=-1)
             chosen = logprobs.gather(1, target[:, None])
             ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
             top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (chosen[:, :0],) * 2
@@ -267,9 +323,24 @@ class ModelRunner:
         bitmask = self._mask_filler.fill(matchers)
         apply_token_bitmask(logits, bitmask, None if len(rows) == len(logits) else rows)
 
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `hidden[rows]`; with tensor parallelism every rank computes them too."""
+        if self.tp is not None:
+            self.tp.logits(rows)
+        return self.model.compute_logits(hidden[rows])
+
+    def forward_layout(self, layout: StepLayout) -> torch.Tensor:
+        """A worker rank's forward of the step rank 0 sent."""
+        input_ids, positions, metadata = self._inputs(layout)
+        return self.model(input_ids, positions, metadata)
+
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self._inputs(self._layout(scheduler_output))
+
+    def _layout(self, scheduler_output: SchedulerOutput) -> StepLayout:
+        """The step's flat batch as host arrays."""
         scheduled = scheduler_output.scheduled
         num_seqs = len(scheduled)
         num_tokens = scheduler_output.num_scheduled_tokens
@@ -290,26 +361,33 @@ class ModelRunner:
             block_tables[i, : len(s.block_ids)] = s.block_ids
         bs = self.block_size
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
+        return StepLayout(
+            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables
+        )
+
+    def _inputs(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device tensors and the attention metadata of a step's layout."""
 
         def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return to_device_async(array, self.device, dtype)
 
-        positions_t = dev(positions, torch.int64)
+        query_start_loc, seq_lens = layout.query_start_loc, layout.seq_lens
+        positions_t = dev(layout.positions, torch.int64)
         metadata = AttentionMetadata(
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            block_size=bs,
-            slot_mapping=dev(slot_mapping, torch.int64),
+            num_tokens=len(layout.input_ids),
+            num_seqs=len(seq_lens),
+            block_size=self.block_size,
+            slot_mapping=dev(layout.slot_mapping, torch.int64),
             positions=positions_t,
             query_start_loc=dev(query_start_loc, torch.int32),
             seq_lens=dev(seq_lens, torch.int32),
-            block_tables=dev(block_tables, torch.int32),
+            block_tables=dev(layout.block_tables, torch.int32),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
-            max_query_len=int(query_lens.max()),
+            max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return dev(input_ids, torch.int64), positions_t, metadata
+        return dev(layout.input_ids, torch.int64), positions_t, metadata
 
     def _to_output(self, requests: list, sampled) -> ModelRunnerOutput:
         out = ModelRunnerOutput(

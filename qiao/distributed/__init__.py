@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: the process group and its collectives."""
