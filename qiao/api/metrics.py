@@ -429,9 +429,50 @@ class _EngineCollector(Collector):
                     s["num_computed_tokens_total"],
                 )
             _add_supervision(add, label, s)
+            _add_replicas(families, names, label, s.get("replicas", []))
         for model, version, s in self.encoder_stats():
             _add_supervision(add, [model, version], s)
         yield from families.values()
+
+
+_REPLICA_SERIES = (
+    (GaugeMetricFamily, "qiao:replica_up", "Whether the data-parallel replica is ready.", "up"),
+    (
+        GaugeMetricFamily,
+        "qiao:replica_requests_unfinished",
+        "Requests the replica holds now.",
+        "num_unfinished",
+    ),
+    (
+        CounterMetricFamily,
+        "qiao:replica_requests_routed",
+        "API requests routed to the replica.",
+        "routed",
+    ),
+    (
+        CounterMetricFamily,
+        "qiao:replica_requests_routed_by_affinity",
+        "API requests routed to the replica by prefix affinity.",
+        "routed_by_affinity",
+    ),
+    (
+        CounterMetricFamily,
+        "qiao:replica_engine_restarts",
+        "Restarts of the replica's engine process.",
+        "engine_restarts",
+    ),
+)
+
+
+def _add_replicas(
+    families: dict[str, Any], names: list[str], label: list[str], replicas: list[dict[str, Any]]
+) -> None:
+    """Per-replica series of a data-parallel version (`--data-parallel-size`)."""
+    for kind, name, doc, key in _REPLICA_SERIES if replicas else ():
+        if name not in families:
+            families[name] = kind(name, doc, labels=[*names, "replica"])
+        for i, replica in enumerate(replicas):
+            families[name].add_metric([*label, str(i)], replica[key])
 
 
 def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -29,11 +31,13 @@ from qiao.engine.breaker import BreakerConfig
 from qiao.engine.encoder_process import EncoderSpec
 from qiao.engine.engine_process import ProcessEngine
 from qiao.engine.llm_engine import LLMEngine
+from qiao.engine.replicas import ReplicatedEngine, split_cpus
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
 from qiao.repository.loading import VersionBuilder
 from qiao.repository.manager import ModelManager
 from qiao.repository.served import EncoderVersion, LLMVersion
+from qiao.tokenizer import load_tokenizer
 
 logger = logging.getLogger("qiao.server")
 
@@ -94,14 +98,72 @@ def build_engine(settings: ServeSettings) -> EngineClient:
     """The LLM engine: in its own supervised process (default), or a thread of this one."""
     config, num_threads = engine_config(settings)
     if settings.in_process_engine:
+        if settings.data_parallel_size > 1:
+            raise ConfigError(
+                "data_parallel_size > 1 needs engine processes (no --in-process-engine)"
+            )
         apply_num_threads(num_threads)
         return AsyncEngine.build(lambda: LLMEngine(config), admission_limits(settings))
+    if settings.data_parallel_size > 1:
+        return build_replicas(
+            config,
+            admission_limits(settings),
+            settings.data_parallel_size,
+            affinity_tokens=settings.prefix_affinity_tokens,
+            log_level=settings.log_level.upper(),
+        )
     return ProcessEngine.build(
         config,
         admission_limits(settings),
         num_threads=num_threads,
         log_level=settings.log_level.upper(),
     )
+
+
+def build_replicas(
+    config: EngineConfig,
+    limits: AdmissionLimits,
+    replicas: int,
+    *,
+    affinity_tokens: int,
+    log_level: str,
+) -> ReplicatedEngine:
+    """`replicas` engine processes of one model, built at once, each pinned to its own share of
+    this process's cores (on CUDA: replica i on cuda:i), behind one router."""
+    cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), replicas)
+    configs = [config] * replicas
+    if config.device.startswith("cuda") or (config.device == "auto" and cuda_device_count()):
+        if cuda_device_count() < replicas:
+            raise ConfigError(
+                f"data_parallel_size {replicas}: only {cuda_device_count()} CUDA device(s)"
+            )
+        configs = [dataclasses.replace(config, device=f"cuda:{i}") for i in range(replicas)]
+    if not config.model.skip_tokenizer_init:
+        # Once here first: transformers' lazy imports are not safe to race from two threads.
+        load_tokenizer(config.model.tokenizer or config.model.path)
+    with ThreadPoolExecutor(replicas, thread_name_prefix="qiao-replica") as pool:
+        futures = [
+            pool.submit(ProcessEngine.build, c, limits, log_level=log_level, cpus=cpus)
+            for c, cpus in zip(configs, cpu_sets, strict=True)
+        ]
+        built, failure = [], None
+        for future in futures:
+            try:
+                built.append(future.result())
+            except BaseException as exc:
+                failure = failure or exc
+    if failure is not None:
+        for engine in built:
+            engine.shutdown()
+        raise failure
+    logger.info("data parallel: %d replicas on cpus %s", replicas, ", ".join(map(str, cpu_sets)))
+    return ReplicatedEngine(built, affinity_tokens=affinity_tokens)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def admission_limits(settings: ServeSettings) -> AdmissionLimits:

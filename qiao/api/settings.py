@@ -86,6 +86,20 @@ class ServeSettings(BaseSettings):
         "CUDA; one worker process per extra rank, started by the engine process; heads, KV heads "
         "and MLP width must divide by N)",
     )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="run N engine replicas of the LLM (each its own process, pinned to its "
+        "share of this process's cores, or on CUDA to cuda:i) behind one router: least loaded, "
+        "with prefix affinity (--prefix-affinity-tokens)",
+    )
+    prefix_affinity_tokens: int = Field(
+        64,
+        ge=0,
+        description="with --data-parallel-size > 1: prompts of at least this many tokens go to "
+        "the replica their first this-many tokens hash to (its prefix cache), unless it holds 8 "
+        "more requests than the least loaded; 0: least loaded only",
+    )
     block_size: int = Field(16, description="tokens per KV block")
     kv_cache_memory: float | None = Field(
         None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"

@@ -150,13 +150,16 @@ class ProcessEngine(EngineClient):
         *,
         num_threads: int | None = None,
         log_level: str = "INFO",
+        cpus: list[int] | None = None,
     ) -> ProcessEngine:
         """Start the engine process and return once its engine is built (raising what stopped
-        it); the tokenizer loads here meanwhile."""
+        it); the tokenizer loads here meanwhile. `cpus`: the cores the engine process (and each
+        restart of it) is pinned to, its torch thread count by default."""
         limits = limits or AdmissionLimits()
         settings = {
             "config": config.to_dict(),
             "num_threads": num_threads,
+            "cpus": cpus,
             "log_level": log_level,
             "log_interval": limits.log_interval,
             "detokenize": False,  # the API process does: DeltaDetokenizer

@@ -190,6 +190,10 @@ def main(argv: list[str]) -> int:
         format=f"%(asctime)s %(levelname)s engine[{os.getpid()}] %(name)s: %(message)s",
     )
     try:
+        if settings.get("cpus"):  # a data-parallel replica: its own cores, before any thread
+            os.sched_setaffinity(0, settings["cpus"])
+            if settings["num_threads"] is None:
+                settings["num_threads"] = len(settings["cpus"])
         if settings["num_threads"] is not None:
             import torch
 
