@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,16 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
 def build_engine(settings: ServeSettings) -> EngineClient:
     """The LLM engine: in its own supervised process (default), or a thread of this one."""
     config, num_threads = engine_config(settings)
+    options = settings.ray_options()
+    if options is not None:
+        from qiao.distributed.ray_serve import RayEngine
+
+        return RayEngine.build(
+            config,
+            admission_limits(settings),
+            options,
+            app_name=ray_app_name(settings, settings.model_name, "1"),
+        )
     if settings.in_process_engine:
         if settings.data_parallel_size > 1:
             raise ConfigError(
@@ -118,6 +129,14 @@ def build_engine(settings: ServeSettings) -> EngineClient:
         num_threads=num_threads,
         log_level=settings.log_level.upper(),
     )
+
+
+def ray_app_name(settings: ServeSettings, model: str, version: str) -> str:
+    """The Ray Serve application of one version: named after this server (host and port), so
+    a restarted server replaces its own applications and two servers never share one."""
+    port = settings.port or f"pid{os.getpid()}"  # --port 0: no stable name to keep
+    raw = f"qiao-{socket.gethostname()}-{port}-{model}-{version}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)
 
 
 def build_replicas(
@@ -295,6 +314,8 @@ def build_app(settings: ServeSettings) -> Any:
                 admission_limits(settings),
                 seed=settings.seed,
                 in_process_engine=settings.in_process_engine,
+                ray=settings.ray_options(),
+                ray_app_name=lambda model, version: ray_app_name(settings, model, version),
                 log_level=settings.log_level.upper(),
                 background=(
                     settings.batch_priority,

@@ -100,6 +100,49 @@ class ServeSettings(BaseSettings):
         "the replica their first this-many tokens hash to (its prefix cache), unless it holds 8 "
         "more requests than the least loaded; 0: least loaded only",
     )
+    # --- replicas on Ray Serve (qiao[ray]) ------------------------------------------------------
+    ray: str | None = Field(
+        None,
+        description="run each LLM version as a Ray Serve application of --replicas engine "
+        "replicas behind this server (least loaded, prefix affinity, replaced when they die); "
+        "ADDRESS: a cluster for ray.init (auto, HOST:6379, ray://HOST:10001); bare --ray or "
+        "'local': RAY_ADDRESS, a running local cluster, else a new one on 127.0.0.1",
+    )
+    replicas: int = Field(1, ge=1, description="with --ray: engine replicas per LLM version")
+    ray_max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="with --ray: autoscale between --ray-min-replicas and this many replicas "
+        "on API requests in flight per replica (Ray Serve's autoscaler)",
+    )
+    ray_min_replicas: int = Field(1, ge=1, description="with --ray-max-replicas: the fewest")
+    ray_target_ongoing_requests: float = Field(
+        4.0, gt=0, description="with --ray-max-replicas: API requests per replica to aim at"
+    )
+    ray_upscale_delay: float = Field(
+        30.0, ge=0, description="with --ray-max-replicas: seconds of need before adding one"
+    )
+    ray_downscale_delay: float = Field(
+        600.0, ge=0, description="with --ray-max-replicas: seconds idle before removing one"
+    )
+    ray_max_ongoing_requests: int = Field(
+        256, ge=1, description="with --ray: API requests one replica holds; more wait in Ray"
+    )
+    ray_max_queued_requests: int = Field(
+        1024, ge=1, description="with --ray: requests waiting for a replica; more get 503"
+    )
+    ray_replica_cpus: float = Field(
+        1.0, gt=0, description="with --ray: Ray CPUs per replica (its torch threads, rounded)"
+    )
+    ray_replica_gpus: float = Field(0.0, ge=0, description="with --ray: Ray GPUs per replica")
+    ray_no_retry: CliToggleFlag[bool] = Field(
+        False,
+        description="with --ray: a replica's death fails its requests with 503 "
+        "engine_restarted even before their first token (default: those go to another replica)",
+    )
+    ray_health_check_period: float = Field(
+        2.0, gt=0, description="with --ray: seconds between Ray Serve's replica health checks"
+    )
     block_size: int = Field(16, description="tokens per KV block")
     kv_cache_memory: float | None = Field(
         None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"
@@ -356,6 +399,39 @@ class ServeSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _ray_alone(self) -> ServeSettings:
+        if self.ray is not None and self.data_parallel_size > 1:
+            raise ValueError("ray and data-parallel-size > 1 exclude each other (use --replicas)")
+        if self.ray is not None and self.in_process_engine:
+            raise ValueError("ray and in-process-engine exclude each other")
+        if self.ray_max_replicas is not None and self.ray_min_replicas > self.ray_max_replicas:
+            raise ValueError("ray-min-replicas must not exceed ray-max-replicas")
+        return self
+
+    def ray_options(self) -> Any:
+        """The `RayOptions` of these settings, or None without --ray."""
+        if self.ray is None:
+            return None
+        from qiao.distributed.ray_serve import RayOptions
+
+        return RayOptions(
+            address=self.ray or "local",
+            replicas=self.replicas,
+            min_replicas=self.ray_min_replicas,
+            max_replicas=self.ray_max_replicas,
+            target_ongoing_requests=self.ray_target_ongoing_requests,
+            upscale_delay=self.ray_upscale_delay,
+            downscale_delay=self.ray_downscale_delay,
+            max_ongoing_requests=self.ray_max_ongoing_requests,
+            max_queued_requests=self.ray_max_queued_requests,
+            replica_cpus=self.ray_replica_cpus,
+            replica_gpus=self.ray_replica_gpus,
+            retry=not self.ray_no_retry,
+            health_check_period=self.ray_health_check_period,
+            affinity_tokens=self.prefix_affinity_tokens,
+        )
+
+    @model_validator(mode="after")
     def _one_profile_choice(self) -> ServeSettings:
         if self.profile is not None and self.no_profile:
             raise ValueError("profile and no-profile exclude each other")
@@ -527,13 +603,23 @@ def load_settings(argv: Sequence[str]) -> ServeSettings:
     if config_path is not None:
         _FILE_VALUES.update(read_config_file(config_path))
     try:
-        cli = CliSettingsSource(ServeSettings, cli_parse_args=list(argv))
+        cli = CliSettingsSource(ServeSettings, cli_parse_args=_bare_ray(argv))
         return ServeSettings(_cli_settings_source=cli)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
     finally:
         # The file belongs to this call: settings built later (ServeSettings()) must not see it.
         _FILE_VALUES.clear()
+
+
+def _bare_ray(argv: Sequence[str]) -> list[str]:
+    """`--ray` with no address (last, or before another flag) means `--ray local`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--ray" and (i + 1 == len(out) or out[i + 1].startswith("-")):
+            out.insert(i + 1, "local")
+            break
+    return out
 
 
 def _find_config_path(argv: Sequence[str]) -> Path | None:

@@ -50,13 +50,35 @@ def split_cpus(cpus: Sequence[int], replicas: int) -> list[list[int]]:
     return out
 
 
-def _affinity_order(key: bytes, count: int) -> list[int]:
-    """Replica indices by rendezvous weight for `key`, highest first."""
+def affinity_order(key: bytes, names: Sequence[str]) -> list[int]:
+    """Indices of `names` (replica ids) by rendezvous weight for `key`, highest first."""
 
     def weight(i: int) -> bytes:
-        return hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest()
+        return hashlib.blake2b(key + names[i].encode(), digest_size=8).digest()
 
-    return sorted(range(count), key=weight, reverse=True)
+    return sorted(range(len(names)), key=weight, reverse=True)
+
+
+def merge_replica_stats(each: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Replicas' stats as one engine's: figures summed (KV usage averaged, the most open
+    breaker, up when any is), lists summed column by column."""
+    out: dict[str, Any] = {}
+    for key, value in each[0].items():
+        values = [s.get(key) for s in each]
+        if isinstance(value, bool) or not all(isinstance(v, int | float) for v in values):
+            if isinstance(value, list) and all(isinstance(v, list) for v in values):
+                out[key] = [sum(column) for column in zip(*values, strict=True)]
+            else:
+                out[key] = value
+            continue
+        out[key] = sum(values)  # type: ignore[arg-type]
+    for key in ("kv_cache_usage", "breaker_state"):
+        if key in out:
+            values = [s[key] for s in each]
+            out[key] = sum(values) / len(values) if key == "kv_cache_usage" else max(values)
+    if "engine_up" in out:
+        out["engine_up"] = int(any(s.get("engine_up") for s in each))
+    return out
 
 
 class ReplicatedEngine(EngineClient):
@@ -88,7 +110,7 @@ class ReplicatedEngine(EngineClient):
         head = b"".join(
             t.to_bytes(4, "little", signed=True) for t in prompt[: self.affinity_tokens]
         )
-        affine = _affinity_order(head, len(self.replicas))[0]
+        affine = affinity_order(head, [str(i) for i in range(len(self.replicas))])[0]
         if loads[affine] - loads[by_load[0]] > self.load_slack:
             return by_load, False
         return [affine, *(i for i in by_load if i != affine)], True
@@ -176,22 +198,7 @@ class ReplicatedEngine(EngineClient):
     def stats(self) -> dict[str, Any]:
         """The replicas' figures summed (KV usage averaged), and each replica's own."""
         each = [r.stats() for r in self.replicas]
-        out: dict[str, Any] = {}
-        for key, value in each[0].items():
-            values = [s.get(key) for s in each]
-            if isinstance(value, bool) or not all(isinstance(v, int | float) for v in values):
-                if isinstance(value, list) and all(isinstance(v, list) for v in values):
-                    out[key] = [sum(column) for column in zip(*values, strict=True)]
-                else:
-                    out[key] = value
-                continue
-            out[key] = sum(values)  # type: ignore[arg-type]
-        for key in ("kv_cache_usage", "breaker_state"):
-            if key in out:
-                values = [s[key] for s in each]
-                out[key] = sum(values) / len(values) if key == "kv_cache_usage" else max(values)
-        if "engine_up" in out:
-            out["engine_up"] = int(any(s.get("engine_up") for s in each))
+        out = merge_replica_stats(each)
         out["replicas"] = [
             {
                 "num_unfinished": r.num_unfinished(),

@@ -7,6 +7,7 @@ is fully loaded (weights read, KV cache or batcher set up) but not yet started.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from qiao.config import EngineConfig
@@ -32,12 +33,17 @@ class VersionBuilder:
         in_process_engine: bool = False,
         log_level: str = "INFO",
         background: tuple[int, float, float] | None = None,
+        ray: Any = None,
+        ray_app_name: Callable[[str, str], str] | None = None,
     ) -> None:
         """Versions run in their own supervised process (an LLM's engine, an encoder), unless
         `in_process_engine` (an LLM engine's thread, an encoder in its batcher's thread).
         `background`: (priority, share, hold seconds) of the LLM engines' background work (batch
-        lines)."""
+        lines). `ray`: `RayOptions` to run each LLM version as a Ray Serve application named
+        `ray_app_name(model, version)`."""
         self.limits = limits
+        self.ray = ray
+        self.ray_app_name = ray_app_name or (lambda model, version: f"qiao-{model}-{version}")
         self.background = background
         self.seed = seed
         self.in_process_engine = in_process_engine
@@ -111,6 +117,11 @@ class VersionBuilder:
             )
         engine_config = EngineConfig.create(str(vdir.path), **kwargs)
         limits = dataclasses.replace(self.limits, breaker=self.breaker_config(entry))
+        if self.ray is not None:
+            from qiao.distributed.ray_serve import RayEngine
+
+            name = self.ray_app_name(entry.name, vdir.version)
+            return RayEngine.build(engine_config, limits, self.ray, app_name=name)
         if self.in_process_engine:
             return AsyncEngine.build(lambda: LLMEngine(engine_config), limits)
         return ProcessEngine.build(engine_config, limits, log_level=self.log_level)
