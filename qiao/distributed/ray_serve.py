@@ -309,6 +309,7 @@ class _Group:
     requests: dict[str, _Request]
     task: asyncio.Task[None] | None = None
     response: Any = None  # the DeploymentResponseGenerator in use
+    replica: str | None = None  # the replica serving it, once it answered
 
 
 def _replica_lost(exc: BaseException) -> bool:
@@ -343,6 +344,7 @@ class RayEngine(EngineClient):
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self.breaker = CircuitBreaker(limits.breaker, "this model version")
         self.replicas_lost = 0
+        self._lost: set[str] = set()  # ids of the replicas seen dying
         self.retried = 0
         self.draining = False
         self._stopping = False
@@ -555,6 +557,7 @@ class RayEngine(EngineClient):
             try:
                 async for frame in response:
                     if "refused" in frame:
+                        group.replica = None
                         kind, message = frame["refused"]
                         if kind in _PASSING and attempts < self._max_attempts():
                             attempts += 1
@@ -563,6 +566,7 @@ class RayEngine(EngineClient):
                             seq, getattr(errors, kind, EngineUnavailableError)(message)
                         )
                         return
+                    group.replica = frame["replica"]
                     delivered |= bool(frame["outputs"])
                     self._on_frame(seq, frame)
                 else:
@@ -588,8 +592,10 @@ class RayEngine(EngineClient):
                         EngineUnavailableError(f"the replica failed ({type(exc).__name__}); retry"),
                     )
                     return
-                self.replicas_lost += 1
-                self.breaker.record_failure()
+                if group.replica is not None and group.replica not in self._lost:
+                    self._lost.add(group.replica)  # one death, however many requests it held
+                    self.replicas_lost += 1
+                    self.breaker.record_failure()
                 if self.options.retry and not delivered and attempts < self._max_attempts():
                     attempts += 1
                     self.retried += 1
