@@ -26,6 +26,7 @@ LAYERS = {
     # and state below them import no layer, so the server's Batch API can build on them.
     "qiao.batch.offline": 8,
     "qiao.batch.cli": 8,
+    "qiao.batch.ray_batch": 8,
     "qiao.batch": 6,
     "qiao.api": 7,
     "qiao.export": 8,

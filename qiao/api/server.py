@@ -100,7 +100,7 @@ def build_engine(settings: ServeSettings) -> EngineClient:
     config, num_threads = engine_config(settings)
     options = settings.ray_options()
     if options is not None:
-        from qiao.distributed.ray_serve import RayEngine
+        from qiao.engine.ray_replicas import RayEngine
 
         return RayEngine.build(
             config,

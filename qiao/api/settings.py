@@ -412,7 +412,7 @@ class ServeSettings(BaseSettings):
         """The `RayOptions` of these settings, or None without --ray."""
         if self.ray is None:
             return None
-        from qiao.distributed.ray_serve import RayOptions
+        from qiao.engine.ray_replicas import RayOptions
 
         return RayOptions(
             address=self.ray or "local",

@@ -97,6 +97,43 @@ def add_batch_run_flags(parser: argparse.ArgumentParser) -> None:
         "these; default %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="shard the lines over engine actors on this Ray cluster (auto, HOST:6379, or "
+        "'local' for Ray's own rule); needs pip install 'qiao[ray]' (docs/scale_out.md)",
+    )
+    parser.add_argument(
+        "--ray-actors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --ray: engine actors, one shard each (default 0: the cluster's CPUs over "
+        "--ray-actor-cpus)",
+    )
+    parser.add_argument(
+        "--ray-actor-cpus",
+        type=float,
+        default=1.0,
+        metavar="CPUS",
+        help="with --ray: Ray CPUs per actor, and its torch threads (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ray-chunk-lines",
+        type=int,
+        default=32,
+        metavar="N",
+        help="with --ray: lines an actor runs per call; a lost actor redoes at most these "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--ray-max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --ray: new actors a shard may get after losing one (default %(default)s)",
+    )
 
 
 def _target(text: str) -> str | Path:
@@ -197,6 +234,9 @@ def _run_pending(
 ) -> None:
     from qiao.batch.offline import OfflineBatch
 
+    if getattr(args, "ray", None):
+        _run_pending_on_ray(args, engine_kwargs, state, pending, total, initial)
+        return
     runnable = [line for line in pending if line.error is None]
     needs_llm = any(line.url in LLM_URLS for line in runnable)
     needs_encoder = any(line.url == "/v1/embeddings" for line in runnable)
@@ -239,6 +279,44 @@ def _run_pending(
         raise
     state.commit()
     bar.close()
+
+
+def _run_pending_on_ray(
+    args: argparse.Namespace,
+    engine_kwargs: dict[str, Any],
+    state: JobState,
+    pending: list[BatchLine],
+    total: int,
+    initial: int,
+) -> None:
+    from qiao.batch.ray_batch import run_on_ray
+
+    bar = tqdm(
+        total=total,
+        initial=initial,
+        desc="batch",
+        unit="line",
+        disable=args.no_progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    recorded: set[int] = set()
+    last_commit = time.monotonic()
+
+    def record(line: BatchLine, ok: bool, output: dict[str, Any]) -> None:
+        nonlocal last_commit
+        state.add(line.number, line.custom_id, ok, output)
+        recorded.add(line.number)
+        bar.update(1)
+        if time.monotonic() - last_commit >= args.commit_interval:
+            state.commit()
+            last_commit = time.monotonic()
+
+    try:
+        run_on_ray(args, engine_kwargs, state.job_id, pending, record, recorded.__contains__)
+    finally:
+        state.commit()
+        bar.close()
 
 
 def _engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Any:

@@ -118,7 +118,7 @@ class VersionBuilder:
         engine_config = EngineConfig.create(str(vdir.path), **kwargs)
         limits = dataclasses.replace(self.limits, breaker=self.breaker_config(entry))
         if self.ray is not None:
-            from qiao.distributed.ray_serve import RayEngine
+            from qiao.engine.ray_replicas import RayEngine
 
             name = self.ray_app_name(entry.name, vdir.version)
             return RayEngine.build(engine_config, limits, self.ray, app_name=name)

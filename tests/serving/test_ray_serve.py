@@ -2,19 +2,23 @@
 application on a local Ray cluster this module starts (`ray start --head`) and stops. Distinct
 prompts spread over both replicas; prompts sharing a long prefix land on one; a replica
 SIGKILLed under load leaves no request hanging (200, or 503 at once) and Ray Serve replaces it;
-with autoscaling a burst adds a replica and idleness removes it."""
+with autoscaling a burst adds a replica and idleness removes it. `qiao batch run --ray` over two
+actors writes the single-process output, and a killed actor's shard resumes without duplicates."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -228,3 +232,93 @@ def test_autoscaling_adds_a_replica_under_a_burst_and_removes_it_when_idle(
             assert _ask(scaled.base_url, ["Still there?"]) == [200]
     finally:
         scaled.stop()
+
+
+def _batch_input(path: Path, count: int) -> None:
+    words = ["the", "fox", "king", "river", "small", "dog", "ran", "sun", "girl", "tree"]
+    lines = []
+    for i in range(count):
+        prompt = " ".join(words[(i * 7 + j) % len(words)] for j in range(2 + i % 5))
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 8 + i % 17, "temperature": 0}
+        lines.append(
+            json.dumps(
+                {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The output's records without what differs between runs by design (ids, times)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        record.pop("id")
+        record["response"].pop("request_id")
+        record["response"]["body"].pop("id", None)
+        record["response"]["body"].pop("created", None)
+    return records
+
+
+def _state_lines(state: Path) -> int:
+    try:
+        with sqlite3.connect(f"file:{state}?mode=ro", uri=True, timeout=1) as db:
+            return int(db.execute("SELECT COUNT(*) FROM results").fetchone()[0])
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def test_batch_over_two_actors_equals_one_process_and_resumes_a_killed_shard(
+    ray_address: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "in.jsonl"
+    _batch_input(source, 60)
+    command = [sys.executable, "-m", "qiao.cli", "batch", "run", str(source), "--no-progress"]
+    reference = tmp_path / "reference.jsonl"
+    done = subprocess.run([*command, "-o", str(reference)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "out.jsonl"
+    state = tmp_path / "state.sqlite"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    ray_flags = ["--ray", ray_address, "--ray-actors", "2", "--ray-chunk-lines", "3"]
+    process = subprocess.Popen(
+        [
+            *command,
+            "-o",
+            str(out),
+            "--state",
+            str(state),
+            "--keep-state",
+            "--commit-interval",
+            "0.05",
+            *ray_flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_until(
+            lambda: _state_lines(state) > 0 or process.poll() is not None,
+            180,
+            "the first chunk to be saved",
+            interval=0.05,
+        )
+        assert process.poll() is None, "the run ended before an actor could be killed"
+        workers = subprocess.run(
+            ["pgrep", "-f", "ShardWorker"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(workers) == 2, workers
+        os.kill(int(workers[0]), signal.SIGKILL)
+        log, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, log[-3000:]
+    assert "60 lines over 2 Ray actors" in log
+    assert "actor lost, resuming with a new one" in log, log[-3000:]
+    assert _state_lines(state) == 60  # each line recorded once
+    got = _records(out)
+    assert [r["custom_id"] for r in got] == [f"req-{i}" for i in range(60)]
+    assert got == _records(reference)

@@ -6,7 +6,7 @@ holds `load_slack` more requests than the least loaded one; every other request 
 least loaded replica (Ray Serve picks the shortest queue within a rank).
 
 Ray ships this module by value to the process that routes, so it holds nothing but the class:
-the registry of routers lives in `ray_serve`.
+the registry of routers lives in `ray_replicas`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
         self._register()
 
     def _register(self) -> None:
-        from qiao.distributed.ray_serve import ROUTERS
+        from qiao.engine.ray_replicas import ROUTERS
 
         ROUTERS[self.app_name] = self
 

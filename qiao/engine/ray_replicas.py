@@ -368,7 +368,7 @@ class RayEngine(EngineClient):
             EngineReplica,
             name="engine",
             request_router_config={
-                "request_router_class": "qiao.distributed.ray_router:PrefixAffinityRouter",
+                "request_router_class": "qiao.engine.ray_router:PrefixAffinityRouter",
                 "request_router_kwargs": {"load_slack": options.load_slack},
                 "request_routing_stats_period_s": 1.0,
                 "request_routing_stats_timeout_s": 5.0,
