@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -322,3 +323,57 @@ def test_batch_over_two_actors_equals_one_process_and_resumes_a_killed_shard(
     got = _records(out)
     assert [r["custom_id"] for r in got] == [f"req-{i}" for i in range(60)]
     assert got == _records(reference)
+
+
+def _app_replicas(version: str) -> int:
+    """Running replica processes of the demo model's `version` (named in their title)."""
+    out = subprocess.run(
+        ["pgrep", "-f", f"ServeReplica:qiao-.*-demo-{version}:"], capture_output=True, text=True
+    )
+    return len(out.stdout.split())
+
+
+def test_a_repository_version_runs_on_ray_and_a_new_version_replaces_it(
+    ray_address: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "repo"
+    (root / "demo").mkdir(parents=True)
+    (root / "demo" / "config.yaml").write_text("backend: llm\n")
+    shutil.copytree(MODEL_DIR, root / "demo" / "1")
+    args = [
+        "--model-repository",
+        str(root),
+        "--model-control-mode",
+        "poll",
+        "--repository-poll-interval",
+        "0.5",
+        "--log-interval",
+        "0",
+        "--ray",
+        ray_address,
+        "--replicas",
+        "2",
+    ]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    server = SubprocessServer(args, tmp_path / "server.log", env=env).wait_ready(timeout=300)
+    body = {"model": "demo", "prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            first = client.post("/v1/completions", json=body)
+            assert first.status_code == 200, first.text
+            assert _app_replicas("1") == 2
+            shutil.copytree(MODEL_DIR, tmp_path / "staging")
+            (tmp_path / "staging").rename(root / "demo" / "2")  # a new version: loaded, then served
+            wait_until(
+                lambda: _app_replicas("2") == 2 and _app_replicas("1") == 0,
+                180,
+                "version 2's replicas to replace version 1's",
+                interval=0.5,
+            )
+            again = client.post("/v1/completions", json=body)
+            assert again.status_code == 200, again.text
+            # The same weights: the same greedy answer, from the new version's replicas.
+            assert again.json()["choices"] == first.json()["choices"]
+    finally:
+        server.stop()
+    wait_until(lambda: _app_replicas("2") == 0, 60, "the server's applications to be deleted")
