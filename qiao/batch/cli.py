@@ -243,15 +243,7 @@ def _run_pending(
     engine = _engine(args, engine_kwargs) if needs_llm else None
     encoder = _encoder(args.embedding_model) if needs_encoder else None
     batch = OfflineBatch(state.job_id, engine, encoder)
-    bar = tqdm(
-        total=total,
-        initial=initial,
-        desc="batch",
-        unit="line",
-        disable=args.no_progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
+    bar = _progress(args, total, initial)
     started = time.monotonic()
     last_commit = started
 
@@ -291,15 +283,7 @@ def _run_pending_on_ray(
 ) -> None:
     from qiao.batch.ray_batch import run_on_ray
 
-    bar = tqdm(
-        total=total,
-        initial=initial,
-        desc="batch",
-        unit="line",
-        disable=args.no_progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
+    bar = _progress(args, total, initial)
     recorded: set[int] = set()
     last_commit = time.monotonic()
 
@@ -317,6 +301,19 @@ def _run_pending_on_ray(
     finally:
         state.commit()
         bar.close()
+
+
+def _progress(args: argparse.Namespace, total: int, initial: int) -> Any:
+    """The run's progress bar on stderr (off with --no-progress)."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="batch",
+        unit="line",
+        disable=args.no_progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
 
 
 def _engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Any:

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from .conftest import SubprocessServer, parse_metrics, wait_until
+from .test_data_parallel import _ask
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'qiao[ray]'")
 
@@ -119,16 +120,6 @@ def _replicas(client: httpx.Client, name: str) -> list[float]:
         if sample == name and labels and labels[0][0] == "replica"
     )
     return [value for _, value in series]
-
-
-def _ask(base_url: str, prompts: list[str], max_tokens: int = 8) -> list[int]:
-    def one(prompt: str) -> int:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        with httpx.Client(base_url=base_url, timeout=60) as client:
-            return client.post("/v1/completions", json=body).status_code
-
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, prompts))
 
 
 def _delta(after: list[float], before: list[float]) -> list[float]:
