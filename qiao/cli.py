@@ -8,119 +8,16 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
-    g = parser.add_argument_group("engine")
-    if default_model is None:
-        g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    else:
-        g.add_argument(
-            "--model",
-            default=default_model,
-            help="Hugging Face checkpoint directory (default: the built-in demo model)",
-        )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weight and activation dtype (auto: the checkpoint's; default %(default)s)",
-    )
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="dummy: random weights of the right shapes, no checkpoint needed",
-    )
-    g.add_argument(
-        "--quantization",
-        choices=["int8"],
-        default=None,
-        help="int8: weight-only int8 linear layers (a quarter of float32's bytes)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length limit (default: the checkpoint's)",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="max running sequences per step (default: the profile's, else 128)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step (default: the profile's, else 2048)",
-    )
-    g.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        help="KV cache size: bytes (> 1) or a share of device memory (<= 1)",
-    )
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV pool size in blocks (overrides --kv-cache-memory; default: the profile's)",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="KV cache storage dtype (default auto: the weights')",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compute every token the same whatever else its step holds, so greedy output does "
-        "not depend on the batch (CPU; matmuls in 32-row tiles, about 4%% slower; default: on for "
-        "`batch run`, off elsewhere)",
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over N ranks (torch.distributed: gloo on the CPU, NCCL on CUDA; "
-        "one worker process per extra rank; heads, KV heads and MLP width must divide by N; "
-        "default 1)",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay CUDA graphs for decode steps (default: on for CUDA, off elsewhere)",
-    )
-    g.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: the profile's, else torch's)",
-    )
-    profile = g.add_mutually_exclusive_group()
-    profile.add_argument(
-        "--profile",
-        default="auto",
-        help="tuning profile file (default: this model's from `qiao tune`, if any)",
-    )
-    profile.add_argument(
-        "--no-profile",
-        dest="profile",
-        action="store_const",
-        const=None,
-        help="use no tuning profile",
-    )
+from qiao.settings_schema import (
+    GENERATE_SETTINGS,
+    add_engine_flags,
+    engine_group,
+    engine_kwargs,
+    resolve_engine_flags,
+)
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -144,9 +41,6 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI-style, in [-2, 2]")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI-style, in [-2, 2]")
-    g.add_argument(
-        "--seed", type=int, default=None, help="per-request seed for reproducible sampling"
-    )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
         "--stop-token-id",
@@ -173,7 +67,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
         stop=args.stop,
@@ -181,7 +74,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(vars(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for output in outputs:
@@ -203,28 +96,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(model, **kwargs)` from the engine flags."""
-    return {
-        "dtype": args.dtype,
-        "load_format": args.load_format,
-        "quantization": args.quantization,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory": args.kv_cache_memory,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "batch_invariant": bool(args.batch_invariant),
-        "device": args.device,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "cuda_graphs": args.cuda_graphs,
-        "num_threads": args.num_threads,
-        "profile": args.profile,
-    }
-
-
 def _add_batch_command(sub: argparse._SubParsersAction) -> None:
     from qiao.batch.cli import add_batch_run_flags
 
@@ -244,7 +115,12 @@ def _add_batch_command(sub: argparse._SubParsersAction) -> None:
         "run again with the same arguments, the run continues where it stopped.",
     )
     add_batch_run_flags(run)
-    _add_engine_flags(run, default_model=_demo_model_dir())
+    add_engine_flags(
+        engine_group(run),
+        GENERATE_SETTINGS,
+        defaults={"model": _demo_model_dir()},
+        notes={"model": "default: the built-in demo model"},
+    )
     run.set_defaults(func=_cmd_batch_run)
 
 
@@ -258,7 +134,7 @@ def _cmd_batch_run(args: argparse.Namespace) -> int:
     if args.batch_invariant is None:
         # A resumed run must answer as the uninterrupted one would, whatever its steps hold.
         args.batch_invariant = True
-    return run_batch(args, _engine_kwargs(args))
+    return run_batch(args, engine_kwargs(vars(args)))
 
 
 def _cmd_serve(argv: list[str]) -> int:
@@ -346,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt", action="append", default=[], help="a prompt (repeatable); else stdin lines"
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
-    _add_engine_flags(gen)
+    add_engine_flags(engine_group(gen), GENERATE_SETTINGS, required=["model"])
     _add_sampling_flags(gen)
     gen.set_defaults(func=_cmd_generate)
     sub.add_parser(
@@ -374,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # `serve` owns its flags: one pydantic-settings schema (CLI, QIAO_* env, config file).
             return _cmd_serve(argv[1:])
         args = build_parser().parse_args(argv)
+        resolve_engine_flags(args)
         return args.func(args)
     except QiaoError as exc:
         print(f"qiao: error: {exc}", file=sys.stderr)

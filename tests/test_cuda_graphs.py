@@ -83,6 +83,7 @@ def test_serve_and_bench_flags() -> None:
 
     from qiao.api.settings import load_settings
     from qiao.bench.cli import add_bench_subcommands
+    from qiao.settings_schema import resolve_engine_flags
 
     assert load_settings([]).cuda_graphs_choice is None
     assert load_settings(["--cuda-graphs"]).cuda_graphs_choice is True
@@ -91,9 +92,15 @@ def test_serve_and_bench_flags() -> None:
         load_settings(["--cuda-graphs", "--no-cuda-graphs"])
     bench = argparse.ArgumentParser()
     add_bench_subcommands(bench)
-    args = bench.parse_args(["latency", "--shape", "tiny", "--device", "cpu", "--no-cuda-graphs"])
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        args = bench.parse_args(argv)
+        resolve_engine_flags(args, environ={})
+        return args
+
+    args = parse(["latency", "--shape", "tiny", "--device", "cpu", "--no-cuda-graphs"])
     assert (args.device, args.cuda_graphs) == ("cpu", False)
-    assert bench.parse_args(["throughput", "--shape", "tiny"]).cuda_graphs is None
+    assert parse(["throughput", "--shape", "tiny"]).cuda_graphs is None
 
 
 # --- static inputs and padded attention ---------------------------------------------------------

@@ -130,12 +130,21 @@ def test_every_llm_key_reaches_the_engine_config() -> None:
 
 def test_llm_defaults_are_the_serve_defaults() -> None:
     from qiao.api.settings import ServeSettings
+    from qiao.repository.config import LLM_SETTINGS, LLMSettings
 
     config = parse_model_config({"backend": "llm"}, "x")
     kwargs = config.engine_kwargs()
     serve = ServeSettings()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "load_format"):
+    # One schema (qiao/settings_schema.py): the same defaults in both.
+    for name in LLM_SETTINGS:
+        if name != "cuda_graphs":  # serve: two toggles, read back by cuda_graphs_choice
+            assert getattr(LLMSettings(), name) == getattr(serve, name), name
+    assert LLMSettings().cuda_graphs is serve.cuda_graphs_choice is None
+    for name in ("block_size", "seed", "load_format"):
         assert kwargs[name] == getattr(serve, name), name
+    # Left unset, the token budget and batch limit take the engine's defaults in both.
+    engine = EngineConfig.create("x", **kwargs)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (128, 2048)
     assert kwargs["enable_chunked_prefill"] is serve.enable_chunked_prefill
     assert kwargs["kv_cache_memory"] is None and kwargs["device"] == "auto"
     assert kwargs["dtype"] == "float32"  # precision_mode's default, FP32

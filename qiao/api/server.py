@@ -54,7 +54,6 @@ _ENGINE_SETTINGS = (
     "max_num_batched_tokens",
     "enable_chunked_prefill",
     "enable_prefix_caching",
-    "batch_invariant",
     "tensor_parallel_size",
     "block_size",
     "kv_cache_memory",
@@ -70,8 +69,7 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
     """The engine config and torch thread count: the settings, with the tuning profile's
     values for the tuned settings not set explicitly (by flag, environment or config file)."""
     kwargs = {name: getattr(settings, name) for name in _ENGINE_SETTINGS}
-    explicit = settings.model_fields_set
-    given = {name: value for name, value in kwargs.items() if name in explicit}
+    given = {name: value for name, value in kwargs.items() if value is not None}
     # These shape the profile lookup and what of it applies, given or not.
     given.update(
         dtype=settings.dtype,
@@ -83,9 +81,12 @@ def engine_config(settings: ServeSettings) -> tuple[EngineConfig, int | None]:
     tuned = tuned_defaults(settings.model_path, given, settings.profile_choice)
     num_threads = tuned.pop("num_threads", settings.num_threads)
     kwargs.update(tuned)
+    # A setting left None means the engine's default.
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}
     config = EngineConfig.create(
         settings.model_path,
         **kwargs,
+        batch_invariant=settings.batch_invariant_choice,
         scheduling_policy=settings.scheduling_policy,
         background_priority=settings.batch_priority,
         background_share=settings.batch_share,

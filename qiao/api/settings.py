@@ -8,15 +8,13 @@ lists every flag with its description and default.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import sys
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -27,6 +25,7 @@ from pydantic_settings import (
 )
 
 from qiao.errors import ConfigError
+from qiao.settings_schema import profile_choice, pydantic_fields, read_settings_file, tristate_value
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -36,7 +35,16 @@ def default_data_dir() -> Path:
     return Path(base) / "qiao"
 
 
-class ServeSettings(BaseSettings):
+# The engine settings, declared once in qiao/settings_schema.py for every entry point.
+_EngineFields: Any = create_model(
+    "_EngineFields",
+    __base__=BaseSettings,
+    __module__=__name__,
+    **pydantic_fields(notes={"model": "default: the built-in demo model"}),
+)
+
+
+class ServeSettings(_EngineFields):
     model_config = SettingsConfigDict(
         env_prefix="QIAO_",
         cli_kebab_case=True,
@@ -47,44 +55,9 @@ class ServeSettings(BaseSettings):
         validate_default=True,
     )
 
-    # --- model and engine --------------------------------------------------------------------
-    model: str | None = Field(
-        None, description="HF checkpoint directory (default: built-in demo model)"
-    )
+    # --- model and engine: the fields above (qiao/settings_schema.py), and these ---------------
     served_model_name: str | None = Field(
         None, description="model id clients send (default: directory name)"
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights dtype"
-    )
-    load_format: Literal["auto", "safetensors", "dummy"] = Field(
-        "auto", description="weight source"
-    )
-    quantization: Literal["int8"] | None = Field(
-        None, description="int8: weight-only int8 linear layers (a quarter of float32's bytes)"
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="context limit (default: checkpoint's)"
-    )
-    max_num_seqs: int = Field(
-        128, ge=1, description="max running sequences per step (else the profile's)"
-    )
-    max_num_batched_tokens: int = Field(
-        2048, ge=1, description="token budget per engine step (else the profile's)"
-    )
-    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
-    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
-    batch_invariant: bool = Field(
-        False,
-        description="every token computed the same whatever its step holds: greedy output "
-        "independent of the batch (CPU; matmuls in 32-row tiles)",
-    )
-    tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="split each LLM over N ranks (torch.distributed: gloo on the CPU, NCCL on "
-        "CUDA; one worker process per extra rank, started by the engine process; heads, KV heads "
-        "and MLP width must divide by N)",
     )
     data_parallel_size: int = Field(
         1,
@@ -143,45 +116,6 @@ class ServeSettings(BaseSettings):
     ray_health_check_period: float = Field(
         2.0, gt=0, description="with --ray: seconds between Ray Serve's replica health checks"
     )
-    block_size: int = Field(16, description="tokens per KV block")
-    kv_cache_memory: float | None = Field(
-        None, gt=0, description="KV cache bytes (>1) or memory share (<=1)"
-    )
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV pool size in blocks (overrides memory; else the profile's)"
-    )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="KV cache storage dtype (auto: the weights'; bfloat16 under float32 weights "
-        "halves attention's reads and the pool's bytes per token)",
-    )
-    prefix_cache_reserve: float = Field(
-        1.0,
-        ge=0.0,
-        le=1.0,
-        description="share of the KV pool freed blocks may fill (prefix cache) before unused "
-        "blocks are touched; lower keeps the memory touched near the load (default 1.0: the "
-        "whole pool)",
-    )
-    scheduling_policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description="waiting-queue order"
-    )
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    # Two toggles, so "neither" keeps the device's default: on for CUDA, off elsewhere.
-    cuda_graphs: CliToggleFlag[bool] = Field(
-        False, description="replay CUDA graphs for decode steps (default: on for CUDA)"
-    )
-    no_cuda_graphs: CliToggleFlag[bool] = Field(
-        False, description="run every step eagerly, no CUDA graphs"
-    )
-    seed: int = Field(0, description="engine seed for requests without their own")
-    num_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads (default: the profile's, else torch's)"
-    )
-    profile: Path | None = Field(
-        None, description="tuning profile file (default: this model's from `qiao tune`, if any)"
-    )
-    no_profile: CliToggleFlag[bool] = Field(False, description="use no tuning profile")
 
     # --- model repository ------------------------------------------------------------------------
     model_repository: Path | None = Field(
@@ -432,26 +366,28 @@ class ServeSettings(BaseSettings):
         )
 
     @model_validator(mode="after")
-    def _one_profile_choice(self) -> ServeSettings:
+    def _one_choice_each(self) -> ServeSettings:
         if self.profile is not None and self.no_profile:
             raise ValueError("profile and no-profile exclude each other")
-        return self
-
-    @model_validator(mode="after")
-    def _one_cuda_graphs_choice(self) -> ServeSettings:
-        if self.cuda_graphs and self.no_cuda_graphs:
-            raise ValueError("cuda-graphs and no-cuda-graphs exclude each other")
+        for name in ("cuda_graphs", "batch_invariant"):
+            if getattr(self, name) and getattr(self, "no_" + name):
+                raise ValueError(f"{name} and no-{name} exclude each other".replace("_", "-"))
         return self
 
     @property
     def cuda_graphs_choice(self) -> bool | None:
         """`EngineConfig.cuda_graphs`: True, False, or None (the device's default)."""
-        return True if self.cuda_graphs else (False if self.no_cuda_graphs else None)
+        return tristate_value(self, "cuda_graphs")
 
     @property
-    def profile_choice(self) -> Path | str | None:
+    def batch_invariant_choice(self) -> bool:
+        """Batch invariance is off in the server unless asked for."""
+        return bool(tristate_value(self, "batch_invariant"))
+
+    @property
+    def profile_choice(self) -> str | None:
         """The tuning profile to use: a file, "auto" (this model's, if any), or None."""
-        return None if self.no_profile else (self.profile or "auto")
+        return profile_choice({"profile": self.profile, "no_profile": self.no_profile})
 
     @property
     def model_path(self) -> str:
@@ -569,28 +505,8 @@ class _FileSource(PydanticBaseSettingsSource):
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Settings from a JSON, TOML or YAML file; keys use snake_case or kebab-case."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read ({exc.strerror})") from exc
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        elif path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(f"config file {path}: use .json, .toml or .yaml")
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings")
-    known = set(ServeSettings.model_fields)
-    values = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(values) - known)
+    values = read_settings_file(path)
+    unknown = sorted(set(values) - set(ServeSettings.model_fields))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
     return values

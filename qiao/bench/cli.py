@@ -16,6 +16,10 @@ from typing import Any, TypeVar
 
 from qiao.bench.common import LengthSpec
 from qiao.bench.shapes import shape_names
+from qiao.settings_schema import BENCH_SETTINGS, add_engine_flags, engine_group, exclusive_group
+
+# `qiao tune` measures the engine as `serve` and `LLM` would build it.
+TUNE_SETTINGS = ("dtype", "load_format", "quantization", "block_size", "seed")
 
 T = TypeVar("T")
 
@@ -30,7 +34,7 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
         "the measurements, as a profile that `qiao serve` and LLM(...) take their defaults "
         "from for this model on this machine. Flags given to them still win.",
     )
-    _add_model_source_flags(p, default_dtype="auto", hf_note=False)
+    _add_model_source_flags(p, TUNE_SETTINGS, hf_note=False)
     g = p.add_argument_group("tuning")
     g.add_argument("--quick", action="store_true", help="few, short runs (seconds; rough)")
     g.add_argument(
@@ -62,7 +66,6 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
         metavar="N,N,...",
         help="max_num_batched_tokens to try (default 256,512,1024,2048; --quick 16,32,64)",
     )
-    g.add_argument("--block-size", type=int, default=16, help="KV block size, tokens (16)")
     g.add_argument(
         "--itl-slo",
         type=_positive_float,
@@ -80,7 +83,6 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
         help="profile file (default: QIAO_PROFILE_DIR, ~/.cache/qiao/profiles, where serve "
         "and LLM look)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_tune)
 
@@ -180,21 +182,7 @@ def _memory(text: str) -> float:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    g = _add_model_source_flags(parser, default_dtype="float32", hf_note=True)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="qiao's KV cache storage dtype (default auto: the model's; HF keeps its own)",
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay CUDA graphs for decode steps (default: on for CUDA, off elsewhere)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
+    g = _add_model_source_flags(parser, BENCH_SETTINGS, hf_note=True)
     g.add_argument(
         "--repeat", type=_positive, default=3, help="runs; figures are medians (default 3)"
     )
@@ -208,38 +196,25 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_source_flags(
-    parser: argparse.ArgumentParser, default_dtype: str, hf_note: bool
-) -> argparse._ArgumentGroup:
-    """--model | --shape, --load-format, --dtype, --quantization; returns their group.
-    `hf_note`: the help says how `--compare hf` uses them."""
-    g = parser.add_argument_group("model under test")
-    source = g.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face checkpoint directory")
+    parser: argparse.ArgumentParser,
+    settings: tuple[str, ...],
+    hf_note: bool,
+    defaults: dict[str, Any] | None = None,
+) -> Any:
+    """--model | --shape, then the engine `settings` (qiao/settings_schema.py); returns their
+    group. `hf_note`: the benchmark can run HF beside qiao (--compare hf), in the same dtype on
+    the same weights; its dtype defaults to float32 then."""
+    g = engine_group(parser, "model under test")
+    source = exclusive_group(g, required=True)
+    add_engine_flags(source, ["model"], config_flag=False, from_env=False)
     source.add_argument(
         "--shape",
         choices=shape_names(),
-        help="a built-in published model shape, random weights (no download)",
+        help="a built-in published model shape, random weights (no download; load format dummy)",
     )
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="how qiao loads --model (always dummy for --shape"
-        + (" and --compare hf)" if hf_note else ")"),
-    )
-    g.add_argument(
-        "--dtype",
-        default=default_dtype,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="qiao's dtype"
-        + ("; HF runs in the same one" if hf_note else "")
-        + " (default %(default)s)",
-    )
-    g.add_argument(
-        "--quantization",
-        default=None,
-        help="passed to LLM(quantization=...); an error if this qiao's LLM does not take it",
-    )
+    notes = {"dtype": "--compare hf runs HF in the same one"} if hf_note else {}
+    defaults = {"dtype": "float32", **(defaults or {})} if hf_note else dict(defaults or {})
+    add_engine_flags(g, settings, defaults=defaults, notes=notes)
     return g
 
 
@@ -296,6 +271,15 @@ def _add_throughput(sub: argparse._SubParsersAction) -> None:
         "generate() on the same weights and prompts, interleaved, at several batch sizes.",
     )
     _add_model_flags(p)
+    add_engine_flags(
+        engine_group(p, "engine batching"),
+        ["max_num_seqs", "max_num_batched_tokens"],
+        defaults={"max_num_seqs": 128, "max_num_batched_tokens": 2048},
+        config_flag=False,
+    )
+    p.set_defaults(
+        _engine_settings=["model", *BENCH_SETTINGS, "max_num_seqs", "max_num_batched_tokens"]
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=_positive, default=64, help="default %(default)s")
     g.add_argument(
@@ -309,10 +293,6 @@ def _add_throughput(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="generate exactly --output-len tokens (default on)",
-    )
-    g.add_argument("--max-num-seqs", type=_positive, default=128, help="engine batch limit")
-    g.add_argument(
-        "--max-num-batched-tokens", type=_positive, default=2048, help="engine token budget"
     )
     g.add_argument(
         "--hf-batch-sizes",
@@ -367,18 +347,12 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
         "mean agreeing prefix) and the perplexity of a fixed story text. The checkpoint needs "
         "its tokenizer; the prompts suit models trained on children's stories (stories260K).",
     )
-    p.add_argument("--model", required=True, metavar="PATH", help="HF checkpoint directory")
-    p.add_argument(
-        "--quantization",
-        choices=["int8", "none"],
-        default="int8",
-        help="the weight scheme to measure (int8; none: float32 weights)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "bfloat16", "float16"],
-        default="auto",
-        help="the KV cache dtype to measure (default auto: float32, the weights')",
+    add_engine_flags(
+        engine_group(p, "the variant measured against float32"),
+        ["model", "quantization", "kv_cache_dtype"],
+        required=["model"],
+        defaults={"quantization": "int8"},
+        notes={"quantization": "none: float32 weights"},
     )
     p.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens per prompt (64)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
@@ -388,8 +362,7 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
 def _cmd_quality(args: argparse.Namespace) -> int:
     from qiao.bench.quality import QualityConfig, format_quality, run_quality
 
-    quantization = None if args.quantization == "none" else args.quantization
-    cfg = QualityConfig(args.model, quantization, args.max_tokens, args.kv_cache_dtype)
+    cfg = QualityConfig(args.model, args.quantization, args.max_tokens, args.kv_cache_dtype)
     return _report(run_quality, cfg, format_quality, args.json)
 
 

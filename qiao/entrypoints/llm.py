@@ -16,6 +16,7 @@ from qiao.errors import ConfigError
 from qiao.outputs import RequestOutput
 from qiao.profile import ProfileChoice
 from qiao.sampling_params import SamplingParams
+from qiao.settings_schema import check_engine_kwargs
 
 Message = dict[str, Any]
 # Engine arguments a tuning profile may supply; passing None for one means "the default".
@@ -55,6 +56,8 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - set(accepted))
         if unknown:
             raise ConfigError(f"LLM() got unknown argument(s): {', '.join(unknown)}")
+        # The CLI's checks of the same settings (qiao/settings_schema.py), with the same words.
+        check_engine_kwargs({**engine_kwargs, "num_threads": num_threads})
         given = {**engine_kwargs, "num_threads": num_threads}
         given.update(tuned_defaults(model, given, profile))
         apply_num_threads(given.pop("num_threads"))

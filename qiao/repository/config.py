@@ -58,12 +58,14 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from qiao.config import EngineConfig
 from qiao.errors import ConfigError
+from qiao.settings_schema import pydantic_fields
 
 CONFIG_FILE_NAMES = ("config.yaml", "config.yml", "config.json")
 MAX_CONFIG_FILE_BYTES = 1 << 20
@@ -239,24 +241,31 @@ class VersionPolicy(_Section):
         return ordered
 
 
-class LLMSettings(_Section):
-    """The `qiao serve` engine flags, same names, same ranges and defaults."""
-
-    max_model_len: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(128, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    block_size: Literal[8, 16, 32, 64, 128] = 16
-    kv_cache_memory: float | None = Field(None, gt=0, allow_inf_nan=False)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    prefix_cache_reserve: float = Field(1.0, ge=0.0, le=1.0)
-    quantization: Literal["int8"] | None = None
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    seed: int = 0
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    cuda_graphs: bool | None = None  # None: on for CUDA, off elsewhere
+# The `llm:` block: `qiao serve`'s engine settings (qiao/settings_schema.py), same names, ranges
+# and defaults.
+LLM_SETTINGS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "block_size",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "kv_cache_dtype",
+    "prefix_cache_reserve",
+    "quantization",
+    "load_format",
+    "seed",
+    "scheduling_policy",
+    "cuda_graphs",
+)
+LLMSettings: Any = create_model(
+    "LLMSettings",
+    __base__=_Section,
+    __module__=__name__,
+    **pydantic_fields(LLM_SETTINGS, cli=False),
+)
 
 
 class CircuitBreakerSettings(_Section):
@@ -405,10 +414,15 @@ class ModelConfigFile(_Section):
         as dtype, hardware.device (+ gpu_id) as device, hardware.workspace_size as the KV cache
         budget when llm.kv_cache_memory is not set."""
         llm = self.llm or LLMSettings()
-        kwargs = llm.model_dump()
+        # A setting left None takes the engine's default.
+        kwargs = {k: v for k, v in llm.model_dump().items() if v is not None or k in _NONE_OK}
         if kwargs["kv_cache_memory"] is None and self.hardware.workspace_size is not None:
             kwargs["kv_cache_memory"] = float(self.hardware.workspace_size)
         return {**kwargs, "dtype": self.dtype_name, "device": self.hardware.device_spec}
+
+
+# Settings whose None the engine takes as a value (no limit, the device's default, ...).
+_NONE_OK = ("max_model_len", "kv_cache_memory", "num_kv_blocks", "quantization", "cuda_graphs")
 
 
 def parse_size(text: str) -> int:
