@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
+from qiao.logs import configure_logging
 from qiao.settings_schema import (
     GENERATE_SETTINGS,
     add_engine_flags,
@@ -251,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_serve(argv[1:])
         args = build_parser().parse_args(argv)
         resolve_engine_flags(args)
+        # Progress of long work (loading weights, building kernels, exporting) goes to stderr.
+        configure_logging(os.environ.get("QIAO_LOG_LEVEL", "info"), "qiao")
         return args.func(args)
     except QiaoError as exc:
         print(f"qiao: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from qiao.api.errors import APIError, as_api_error
 from qiao.api.keys import token_charger
 from qiao.api.limits import split_inputs
 from qiao.api.openai_routes import resolve_model
+from qiao.logs import note_tokens
 from qiao.repository.served import EncoderVersion
 
 router = APIRouter()
@@ -56,6 +57,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
             error.param = error.param or "input"
         raise error from None
     num_tokens = sum(len(ids) for ids in token_ids)
+    note_tokens(num_tokens)
     charge = token_charger(request)
     if charge is not None:
         charge(num_tokens)

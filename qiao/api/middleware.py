@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from qiao.api.errors import error_body
 from qiao.api.keys import KeyLimiter, KeyRing, limit_message
+from qiao.logs import end_request, start_request
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -181,8 +182,10 @@ access_logger = logging.getLogger("qiao.access")
 class RequestIdMiddleware:
     """Every HTTP response carries `X-Request-Id`: the request's own (1-128 printable ASCII
     characters, no spaces) or a fresh one, also in `scope["state"]["request_id"]`. With `log`,
-    one line per request names it (client, method, path, status, milliseconds); health probes
-    and metric scrapes are logged at debug level."""
+    one line per request names it (client, method, path, route, status, milliseconds, tokens,
+    key name; as JSON fields with `--log-format json`); health probes and metric scrapes are
+    logged at debug level. Every other log line written while it is served carries its id
+    (`qiao/logs.py`)."""
 
     def __init__(self, app: ASGIApp, log: bool = True) -> None:
         self.app = app
@@ -194,10 +197,13 @@ class RequestIdMiddleware:
             return
         request_id = _valid_request_id(dict(scope["headers"]).get(b"x-request-id"))
         request_id = request_id or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
         header = (b"x-request-id", request_id.encode())
         status = 0
         started = time.perf_counter()
+        # Every log line written while this request is served carries its id.
+        notes, token = start_request(request_id)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -209,20 +215,44 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            end_request(token)
             if self.log:
-                path = scope["path"]
-                quiet = path in PUBLIC_PATHS or path == "/metrics"
-                client = scope.get("client")
-                access_logger.log(
-                    logging.DEBUG if quiet else logging.INFO,
-                    '%s "%s %s" %s %.1f ms request_id=%s',
-                    f"{client[0]}:{client[1]}" if client else "-",
-                    scope["method"],
-                    path,
-                    status or "-",
-                    (time.perf_counter() - started) * 1000,
-                    request_id,
-                )
+                self._log(scope, state, status, time.perf_counter() - started, notes)
+
+    @staticmethod
+    def _log(
+        scope: Scope, state: dict[str, Any], status: int, seconds: float, notes: dict[str, Any]
+    ) -> None:
+        path = scope["path"]
+        quiet = path in PUBLIC_PATHS or path == "/metrics"
+        client = scope.get("client")
+        route = getattr(scope.get("route"), "path", None)
+        key = state.get("api_key")
+        fields: dict[str, Any] = {
+            "client": f"{client[0]}:{client[1]}" if client else None,
+            "method": scope["method"],
+            "path": path,
+            "route": route,
+            "status": status or None,
+            "latency_ms": round(seconds * 1000, 1),
+            "tokens": notes.get("tokens"),
+            "key": getattr(key, "name", None),
+        }
+        extra = "".join(
+            f" {name}={fields[name]}" for name in ("route", "tokens", "key") if fields[name]
+        )
+        access_logger.log(
+            logging.DEBUG if quiet else logging.INFO,
+            '%s "%s %s" %s %.1f ms%s request_id=%s',
+            fields["client"] or "-",
+            scope["method"],
+            path,
+            status or "-",
+            seconds * 1000,
+            extra,
+            notes["request_id"],
+            extra={"fields": fields, "request_id": notes["request_id"]},
+        )
 
 
 def _valid_request_id(value: bytes | None) -> str | None:

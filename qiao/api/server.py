@@ -35,6 +35,7 @@ from qiao.engine.llm_engine import LLMEngine
 from qiao.engine.replicas import ReplicatedEngine, split_cpus
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
+from qiao.logs import ENV_LOG_FORMAT, configure_logging
 from qiao.repository.loading import VersionBuilder
 from qiao.repository.manager import ModelManager
 from qiao.repository.served import EncoderVersion, LLMVersion
@@ -340,6 +341,7 @@ async def _serve(settings: ServeSettings, app: Any) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's lines go through qiao's handler (text or JSON)
         timeout_graceful_shutdown=5,
         access_log=False,
         http=QiaoH11Protocol,
@@ -405,9 +407,9 @@ def run_server(settings: ServeSettings) -> None:
     """Set up the app (models loaded; the garbage collector off meanwhile, see
     `freeze_startup_heap`), then serve until a signal."""
     settings.check_security()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # The engine and encoder processes inherit the format through the environment.
+    os.environ[ENV_LOG_FORMAT] = settings.log_format
+    configure_logging(settings.log_level, "server", settings.log_format)
     started = time.monotonic()
     gc.disable()
     try:

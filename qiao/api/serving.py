@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 
 from qiao.api.errors import APIError, as_api_error, error_body
+from qiao.logs import note_tokens
 from qiao.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -152,8 +153,10 @@ async def collect(job: Job, request: Request) -> list[Sample]:
         raise _timeout_error() from None
     except Exception as exc:  # engine-side failures become their HTTP errors
         raise as_api_error(exc) from None
+    used = sum(job.num_prompt_tokens) + sum(len(s.token_ids) for s in samples)
+    note_tokens(used)
     if job.charge is not None:
-        job.charge(sum(job.num_prompt_tokens) + sum(len(s.token_ids) for s in samples))
+        job.charge(used)
     _raise_for_unfinished(samples)
     return samples
 
@@ -247,6 +250,7 @@ async def stream_events(
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:
         await close_all(job, reason)
+        note_tokens(sum(job.num_prompt_tokens) + completion_tokens)
         if job.charge is not None:
             job.charge(sum(job.num_prompt_tokens) + completion_tokens)
 

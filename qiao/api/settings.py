@@ -290,10 +290,17 @@ class ServeSettings(_EngineFields):
         10.0, ge=0, description="seconds between throughput log lines (0 = off)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text, or json: one JSON object per line (ts, level, logger, process, "
+        "message, request_id; the access log's route, status, latency_ms, tokens and key as "
+        "fields), in the engine and encoder processes too",
+    )
     access_log: bool = Field(
         True,
-        description="log one line per HTTP request: client, method, path, status, milliseconds "
-        "and X-Request-Id (health probes and metric scrapes at debug level)",
+        description="log one line per HTTP request: client, method, path, route, status, "
+        "milliseconds, tokens, API key name and X-Request-Id (health probes and metric scrapes "
+        "at debug level)",
     )
     metrics_vllm_names: bool = Field(
         False,

@@ -27,6 +27,7 @@ from qiao.engine.async_engine import engine_failed_message
 from qiao.engine.encoder_process import EncoderSpec
 from qiao.engine.engine_worker import resident_bytes
 from qiao.errors import QiaoError
+from qiao.logs import configure_logging
 from qiao.runner.encoder import Encoder
 
 logger = logging.getLogger("qiao.engine.encoder")
@@ -65,10 +66,7 @@ def main(argv: list[str]) -> int:
     settings = wire.recv_frame(sock)
     if settings is None:
         return 1
-    logging.basicConfig(
-        level=settings["log_level"],
-        format=f"%(asctime)s %(levelname)s encoder[{os.getpid()}] %(name)s: %(message)s",
-    )
+    configure_logging(settings["log_level"], f"encoder[{os.getpid()}]")
     try:
         encoder = EncoderSpec(**settings["spec"]).load()
         hook = envs.encoder_hook()

@@ -29,6 +29,7 @@ from qiao.engine import wire
 from qiao.engine.async_engine import engine_failed_message, log_throughput
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import QiaoError
+from qiao.logs import configure_logging
 from qiao.outputs import RequestOutput
 
 logger = logging.getLogger("qiao.engine.process")
@@ -185,10 +186,7 @@ def main(argv: list[str]) -> int:
     settings = wire.recv_frame(sock)
     if settings is None:
         return 1
-    logging.basicConfig(
-        level=settings["log_level"],
-        format=f"%(asctime)s %(levelname)s engine[{os.getpid()}] %(name)s: %(message)s",
-    )
+    configure_logging(settings["log_level"], f"engine[{os.getpid()}]")
     try:
         if settings.get("cpus"):  # a data-parallel replica: its own cores, before any thread
             os.sched_setaffinity(0, settings["cpus"])

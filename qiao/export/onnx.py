@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from qiao.errors import ConfigError, QiaoError
+from qiao.logs import heartbeat
 from qiao.models.bert import (
     BertSentenceEncoder,
     load_pooling_config,
@@ -42,6 +43,8 @@ from qiao.runner.encoder import (
 
 if TYPE_CHECKING:
     import onnx_ir
+
+logger = logging.getLogger("qiao.export")
 
 # Copied beside the graph when present (tokenizer.json and config.json must be).
 _COPIED_FILES = (
@@ -90,6 +93,7 @@ def export_onnx(
         raise ConfigError(f"atol: must be >= 0, got {atol}")
     if opset is not None and opset < 1:
         raise ConfigError(f"opset: must be a positive opset version, got {opset}")
+    logger.info("export 1/4: loading the encoder from %s", model_dir)
     model = load_sentence_encoder(model_dir, dtype=torch.float32, device=torch.device("cpu"))
     config = model.bert.config
     max_length = max_sequence_length(config, load_pooling_config(model_dir))
@@ -97,9 +101,12 @@ def export_onnx(
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
     try:
         model_file = staging / ONNX_MODEL_FILE
-        actual_opset = export_graph(model, model_file, opset)
+        with heartbeat(logger, "export 2/4: tracing and exporting the graph (torch.onnx)"):
+            actual_opset = export_graph(model, model_file, opset)
         cases = check_inputs(config.vocab_size, max_length)
+        logger.info("export 3/4: checking onnxruntime against PyTorch on %d inputs", len(cases))
         max_abs_diff = verify_onnx(model_file, model, cases, atol)
+        logger.info("export 4/4: writing the version folder %s", out_dir)
         for name in _COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)

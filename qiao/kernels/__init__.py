@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from qiao import envs
+from qiao.logs import heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +216,8 @@ def _build(
         build_dir,
     )
     started = time.monotonic()
-    with _pinned_ninja():
+    # A compiler shows no progress of its own: a line every 15 s says the start is building.
+    with _pinned_ninja(), heartbeat(logger, "building the C++ CPU kernels", every=15.0):
         module = cpp_extension.load(
             name=name,
             sources=[str(source)],

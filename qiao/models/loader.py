@@ -6,6 +6,7 @@ Pickle checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: unpickling can run ar
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +16,11 @@ from torch import nn
 
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.layers.linear import prepare_linears
+from qiao.logs import Progress
 from qiao.models.arch_config import ArchConfig
 from qiao.models.registry import get_model_class
+
+logger = logging.getLogger("qiao.loader")
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SINGLE_FILE = "model.safetensors"
@@ -99,14 +103,22 @@ def init_dummy_weights(model: nn.Module, seed: int = _DUMMY_SEED) -> None:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in `files`, memory-mapped on the CPU."""
+    """(name, tensor) of every tensor in `files`, memory-mapped on the CPU. A load that takes a
+    while logs its progress in checkpoint bytes every few seconds (`qiao.logs.Progress`)."""
+    sizes = {path: path.stat().st_size for path in files}
+    progress = Progress(
+        logger, f"loading weights from {len(files)} file(s)", sum(sizes.values()) / 1e6, "MB"
+    )
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+                    progress.advance(tensor.numel() * tensor.element_size() / 1e6)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+    progress.done()
 
 
 def _load_checkpoint(model: nn.Module, model_dir: Path) -> None:
