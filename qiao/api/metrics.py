@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from qiao.api.gpu_metrics import GpuCollector
 from qiao.api.vllm_names import WithVllmNames
 from qiao.engine.batcher import BatchStats
 from qiao.engine.llm_engine import ITERATION_TOKEN_BUCKETS
@@ -228,6 +229,8 @@ class ServerMetrics:
         # The latest batch observer of each encoder version (model, version).
         self._batch_observers: dict[tuple[str, str], BatchObserver] = {}
         r.register(_EngineCollector(llm_versions, self._encoder_stats))
+        # GPU utilisation and memory from NVML; nothing on a machine without one.
+        r.register(GpuCollector())
         self._last_token_time: dict[str, float] = {}
 
     def batch_observer(self, model: str, version: str) -> BatchObserver:
