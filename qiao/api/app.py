@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from qiao.api import triton_metrics
 from qiao.api.batches import BatchWorker
 from qiao.api.batches import router as batches_router
+from qiao.api.console import ConsoleShell
 from qiao.api.embeddings import router as embeddings_router
 from qiao.api.errors import error_body, install_error_handlers
 from qiao.api.files import MULTIPART_SLACK_BYTES
@@ -147,6 +148,8 @@ def create_app(
             limiter=limiter,
             on_outcome=lambda name, outcome: metrics.key_requests.labels(name, outcome).inc(),
         )
+    # Before auth: the console's static shell at /ui (no data in it) and `/` redirecting there.
+    app.add_middleware(ConsoleShell, listener="main")
     # Outermost: every answer, a 401 or a 413 too, carries the request id and is logged.
     app.add_middleware(RequestIdMiddleware, log=settings.access_log)
     return app

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
+from qiao.api.console import ConsoleShell
 from qiao.api.errors import error_body
 from qiao.api.middleware import (
     ASGIApp,
@@ -82,6 +83,8 @@ def create_management_app(
     _add_v1_routes(app)
     _add_v2_routes(app)
     app.add_middleware(ManagementGuard, token=token, max_body_bytes=max_body_bytes)
+    # Before the guard: the console's static shell at /ui (no data in it; its calls carry the token).
+    app.add_middleware(ConsoleShell, listener="management", redirect_root=False)
     return app
 
 
