@@ -366,6 +366,26 @@ def test_probes_are_qiao_routes_on_its_http_port(
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
 
 
+def test_during_a_drain_readiness_fails_and_liveness_holds(
+    app: Any, base: list[dict[str, Any]]
+) -> None:
+    """What the probes rely on: a draining pod leaves the Service (readiness 503) and is not
+    restarted by the kubelet (liveness 200) while its requests finish."""
+    from starlette.testclient import TestClient
+
+    container = qiao_container(only(base, "Deployment"))
+    live = container["livenessProbe"]["httpGet"]["path"]
+    ready = container["readinessProbe"]["httpGet"]["path"]
+    client = TestClient(app)  # no lifespan: the routes alone
+    app.state.draining = True
+    try:
+        assert client.get(live).status_code == 200
+        assert client.get(ready).status_code == 503
+        assert client.get(ready).json()["error"]["message"] == "draining"
+    finally:
+        app.state.draining = False
+
+
 def test_the_service_routes_to_the_container_ports(rendered: list[dict[str, Any]]) -> None:
     deployment, service = only(rendered, "Deployment"), only(rendered, "Service")
     names = {port["name"] for port in qiao_container(deployment)["ports"]}
