@@ -13,6 +13,7 @@ from pathlib import Path
 from qiao.bench.cli import add_bench_subcommands, add_tune_command
 from qiao.errors import QiaoError
 from qiao.logs import configure_logging
+from qiao.repository.cli import add_repository_command
 from qiao.settings_schema import (
     GENERATE_SETTINGS,
     add_engine_flags,
@@ -242,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_command(sub)
     _add_export_command(sub)
     _add_batch_command(sub)
+    add_repository_command(sub)
     return parser
 
 

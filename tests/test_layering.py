@@ -21,6 +21,8 @@ LAYERS = {
     "qiao.runner": 4,
     "qiao.engine": 5,
     "qiao.entrypoints": 6,
+    # `qiao repository gc` takes its default cache folder from the server's settings.
+    "qiao.repository.cli": 8,
     "qiao.repository": 6,
     # The batch runner and its command reuse the API layer's request handling; the job's lines
     # and state below them import no layer, so the server's Batch API can build on them.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -30,6 +31,7 @@ from qiao.api.vllm_names import WithVllmNames
 from qiao.engine.batcher import BatchStats
 from qiao.engine.llm_engine import ITERATION_TOKEN_BUCKETS
 from qiao.outputs import RequestOutput
+from qiao.repository.cache import CacheUsageCollector
 
 LATENCY_BUCKETS = (
     0.005,
@@ -226,6 +228,9 @@ class ServerMetrics:
         # Set by the batch worker: batches per status, read at scrape time.
         self.batch_jobs: Callable[[], dict[str, int]] = dict
         r.register(_BatchJobsCollector(lambda: self.batch_jobs()))
+        # Set by a remote model repository: its local cache's disk usage, read at scrape time.
+        self.repository_cache_root: Path | None = None
+        r.register(CacheUsageCollector(lambda: self.repository_cache_root))
         # The latest batch observer of each encoder version (model, version).
         self._batch_observers: dict[tuple[str, str], BatchObserver] = {}
         r.register(_EngineCollector(llm_versions, self._encoder_stats))

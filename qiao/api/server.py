@@ -36,8 +36,10 @@ from qiao.engine.replicas import ReplicatedEngine, split_cpus
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
 from qiao.logs import ENV_LOG_FORMAT, configure_logging
+from qiao.repository.cache import CACHE_DIR_NAME
 from qiao.repository.loading import VersionBuilder
 from qiao.repository.manager import ModelManager
+from qiao.repository.remote import open_repository
 from qiao.repository.served import EncoderVersion, LLMVersion
 from qiao.tokenizer import load_tokenizer
 
@@ -304,14 +306,17 @@ def build_app(settings: ServeSettings) -> Any:
             return create_app(settings, engine)
         llm = LLMVersion(settings.model_name, "1", engine)
         return create_app(settings, manager=ModelManager.static([llm, embedder]))
-    root = settings.model_repository
-    if not root.is_dir():
-        raise ConfigError(f"model_repository {root} is not a directory")
+    repository = open_repository(
+        settings.model_repository,
+        settings.repository_cache_dir or settings.data_dir / CACHE_DIR_NAME,
+    )
     # torch's thread count is per process: one setting for every model of the repository.
     apply_num_threads(settings.num_threads)
 
     def build_manager(metrics: Any) -> ModelManager:
-        return ModelManager(
+        if repository.cache is not None:
+            metrics.repository_cache_root = repository.cache.root
+        return repository.manager(
             VersionBuilder(
                 admission_limits(settings),
                 seed=settings.seed,
@@ -325,7 +330,6 @@ def build_app(settings: ServeSettings) -> Any:
                     settings.batch_yield_window,
                 ),
             ),
-            root,
             mode=settings.model_control_mode,
             poll_interval=settings.repository_poll_interval,
             startup_models=settings.load_model,

@@ -118,8 +118,16 @@ class ServeSettings(_EngineFields):
     )
 
     # --- model repository ------------------------------------------------------------------------
-    model_repository: Path | None = Field(
-        None, description="serve a model repository DIR/<model>/<version>/ (instead of --model)"
+    model_repository: str | None = Field(
+        None,
+        description="serve a model repository DIR/<model>/<version>/ (instead of --model): a "
+        "local folder, or an fsspec URL (s3://bucket/repo, gs://..., memory://...) whose "
+        "versions are copied into --repository-cache-dir before they load",
+    )
+    repository_cache_dir: Path | None = Field(
+        None,
+        description="where versions of a remote --model-repository are copied (one folder per "
+        "repository URL; `qiao repository gc` cleans it; default <data-dir>/repository-cache)",
     )
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",

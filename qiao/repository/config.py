@@ -466,15 +466,22 @@ def read_model_config(path: Path, display: str | None = None) -> ModelConfigFile
             raw = file.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{shown}: cannot be read ({exc.strerror})") from None
+    return parse_config_bytes(raw, path.suffix, shown)
+
+
+def parse_config_bytes(raw: bytes, suffix: str, display: str) -> ModelConfigFile:
+    """Parse and validate a config file's bytes: JSON when `suffix` is ".json", else YAML.
+    A repository on object storage reads its files this way (at most MAX_CONFIG_FILE_BYTES + 1
+    of them, so an oversized file is refused without reading it whole)."""
     if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise ConfigError(f"{shown}: larger than {MAX_CONFIG_FILE_BYTES} bytes")
+        raise ConfigError(f"{display}: larger than {MAX_CONFIG_FILE_BYTES} bytes")
     try:
         text = raw.decode("utf-8")
-        data = _load_json(text) if path.suffix == ".json" else _load_yaml(text)
+        data = _load_json(text) if suffix == ".json" else _load_yaml(text)
     except (ValueError, yaml.YAMLError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise ConfigError(f"{shown}: not valid {kind}: {_one_line(exc)}") from None
-    return parse_model_config(data, shown)
+        kind = "JSON" if suffix == ".json" else "YAML"
+        raise ConfigError(f"{display}: not valid {kind}: {_one_line(exc)}") from None
+    return parse_model_config(data, display)
 
 
 def parse_model_config(data: Any, display: str) -> ModelConfigFile:

@@ -32,6 +32,7 @@ from qiao.repository.scan import (
     MAX_VERSION_LENGTH,
     ModelEntry,
     VersionDir,
+    Warn,
     check_model_name,
     quoted,
     scan_repository,
@@ -58,6 +59,9 @@ class Served(ServedVersion, Protocol):
 
 # Builds (blocking, in a worker thread) one version of a model from its folder and config.
 VersionLoader = Callable[[ModelEntry, VersionDir], Served]
+# Reads the repository (blocking, in a worker thread): every model by name, as
+# `scan.scan_repository` does for a local folder; messages go to `warn`.
+RepositoryScan = Callable[[Warn], dict[str, ModelEntry]]
 
 
 @dataclass
@@ -99,7 +103,12 @@ class ModelManager:
         startup_models: Iterable[str] = (),
         drain_timeout: float = 30.0,
         on_ready: Callable[[Served], None] | None = None,
+        scan: RepositoryScan | None = None,
+        on_stopped: Callable[[Served], None] | None = None,
     ) -> None:
+        """`root`: the repository folder, or for a repository elsewhere (`scan` given) the
+        local folder its versions load from (errors show paths relative to it). `on_stopped`
+        is called once a version the loader built has stopped."""
         if mode not in CONTROL_MODES:
             raise ConfigError(f"model_control_mode must be one of {', '.join(CONTROL_MODES)}")
         self.loader = loader
@@ -109,6 +118,8 @@ class ModelManager:
         self.startup_models = list(startup_models)
         self.drain_timeout = drain_timeout
         self.on_ready = on_ready
+        self.on_stopped = on_stopped
+        self._scan_repository = scan
         self.draining = False
         self._models: dict[str, _Model] = {}
         self._poll_task: asyncio.Task[None] | None = None
@@ -156,7 +167,7 @@ class ModelManager:
         for model in list(self._models.values()):
             for slot in list(model.slots.values()):
                 if slot.served is not None:
-                    await slot.served.stop()
+                    await self._stop(slot.served)
 
     async def _poll(self) -> None:
         while True:
@@ -304,6 +315,8 @@ class ModelManager:
 
     def _scan(self) -> dict[str, ModelEntry]:
         assert self.root is not None
+        if self._scan_repository is not None:
+            return self._scan_repository(self._warn_once)
         return scan_repository(self.root, warn=self._warn_once)
 
     def _warn_once(self, message: str) -> None:
@@ -461,7 +474,14 @@ class ModelManager:
         finally:
             # Also when cancelled (shutdown cancels the poll loop mid-drain): never leak it.
             self._leaving.remove(served)
+            await self._stop(served)
+
+    async def _stop(self, served: Served) -> None:
+        try:
             await served.stop()
+        finally:
+            if self.on_stopped is not None:
+                self.on_stopped(served)
 
     def _clean(self, message: str) -> str:
         """An error for the index: repository paths shown relative to the repository."""

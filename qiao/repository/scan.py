@@ -16,10 +16,10 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from qiao.errors import ConfigError
 from qiao.repository.config import (
@@ -29,6 +29,9 @@ from qiao.repository.config import (
     find_config_file,
     read_model_config,
 )
+
+if TYPE_CHECKING:
+    from qiao.repository.cache import RemoteVersion
 
 logger = logging.getLogger("qiao.repository")
 
@@ -44,6 +47,16 @@ _VERSION = re.compile(r"[1-9][0-9]*", re.ASCII)
 
 VersionKind = Literal["hf", "onnx"]
 Warn = Callable[[str], None]
+
+
+def is_model_name(name: str) -> bool:
+    """Whether a folder named `name` may hold a model (see NAME_RULE)."""
+    return len(name) <= MAX_NAME_LENGTH and _NAME.fullmatch(name) is not None
+
+
+def is_version_name(name: str) -> bool:
+    """Whether a folder named `name` may hold a version (see VERSION_RULE)."""
+    return len(name) <= MAX_VERSION_LENGTH and _VERSION.fullmatch(name) is not None
 
 
 def check_model_name(name: Any) -> str:
@@ -100,6 +113,9 @@ class VersionDir:
     fingerprint: str
     model_file: Path | None = None  # the .onnx file of an onnx version
     error: str = ""
+    # A version on object storage: its remote files, copied to `path` (a local cache entry)
+    # before it loads. None: `path` is the version's own folder.
+    source: RemoteVersion | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,7 @@ def scan_repository(root: Path, *, warn: Warn | None = None) -> dict[str, ModelE
     for child in sorted(base.iterdir()):
         if child.name.startswith("."):
             continue  # .git, .DS_Store, editor files: not models, not worth a warning
-        if not _NAME.fullmatch(child.name) or len(child.name) > MAX_NAME_LENGTH:
+        if not is_model_name(child.name):
             warn(f"model repository: skipping {quoted(child.name)}: a model name is {NAME_RULE}")
             continue
         model_dir = _contained(base, child, warn)
@@ -174,7 +190,7 @@ def _version_dirs(base: Path, display: str, model_dir: Path, warn: Warn) -> dict
     for child in sorted(model_dir.iterdir()):
         if not (child.name.isascii() and child.name.isdigit()):
             continue
-        if not _VERSION.fullmatch(child.name) or len(child.name) > MAX_VERSION_LENGTH:
+        if not is_version_name(child.name):
             warn(f"{display}: skipping version folder {child.name!r}: a version is {VERSION_RULE}")
             continue
         path = _contained(base, child, warn)
@@ -194,25 +210,43 @@ def _inspect_version(
     if escapes:
         error = f"{display}: {', '.join(escapes)} link(s) outside the repository; not followed"
         return VersionDir(version, path, None, fingerprint, error=error)
+    return classify_version(display, version, path, fingerprint, files, config)
+
+
+def classify_version(
+    display: str,
+    version: str,
+    path: Path,
+    fingerprint: str,
+    files: Iterable[str],
+    config: ModelConfigFile | None,
+    **extra: Any,
+) -> VersionDir:
+    """The version folder at `path` whose files (relative POSIX names) are `files`: an HF
+    checkpoint, an ONNX model, or an error saying what is missing. `extra`: more VersionDir
+    fields (a remote version's `source`)."""
     top = [rel for rel in files if "/" not in rel]
     has_hf = "config.json" in top and any(rel.endswith(".safetensors") for rel in top)
     onnx = sorted(rel for rel in top if rel.endswith(".onnx"))
     backend = config.backend if config is not None else None
+
+    def unservable(error: str) -> VersionDir:
+        return VersionDir(version, path, None, fingerprint, error=f"{display}: {error}", **extra)
+
     if backend == "onnx" or (backend is None and onnx):
         if not onnx:
-            return VersionDir(version, path, None, fingerprint, error=f"{display}: no .onnx file")
+            return unservable("no .onnx file")
         if len(onnx) > 1 and "model.onnx" not in onnx:
-            error = f"{display}: several .onnx files ({', '.join(onnx)}); name one model.onnx"
-            return VersionDir(version, path, None, fingerprint, error=error)
+            return unservable(f"several .onnx files ({', '.join(onnx)}); name one model.onnx")
         model_file = path / ("model.onnx" if "model.onnx" in onnx else onnx[0])
-        return VersionDir(version, path, "onnx", fingerprint, model_file=model_file)
+        return VersionDir(version, path, "onnx", fingerprint, model_file=model_file, **extra)
     dummy = config is not None and config.llm is not None and config.llm.load_format == "dummy"
     if has_hf or (dummy and "config.json" in top):
-        return VersionDir(version, path, "hf", fingerprint)
+        return VersionDir(version, path, "hf", fingerprint, **extra)
     want = "config.json" if dummy else "config.json and *.safetensors"
     if backend is None:
         want += ", or a .onnx file"
-    return VersionDir(version, path, None, fingerprint, error=f"{display}: no {want}")
+    return unservable(f"no {want}")
 
 
 def _walk(base: Path, path: Path) -> tuple[dict[str, tuple[int, int, int]], list[str]]:
