@@ -62,7 +62,10 @@ MANIFEST_SUFFIX = ".json"
 
 
 class CacheError(QiaoError):
-    """A remote version could not be copied completely; it is not served."""
+    """A remote version could not be copied completely; it is not served, and the next rescan
+    tries again."""
+
+    retry_on_rescan = True
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,13 @@ class VersionCache:
         tmp.mkdir(parents=True)
         started = time.monotonic()
         try:
-            download(remote, tmp)
+            try:
+                download(remote, tmp)
+            except OSError as exc:  # the store's errors: connection, permission, throttling
+                raise CacheError(
+                    f"{model}/{version}: copy failed ({type(exc).__name__}: {exc}); it is "
+                    "copied again at the next scan"
+                ) from exc
             check_copy(tmp, remote)
             if remote.relist().signature != sig:
                 raise CacheError(
@@ -223,7 +232,8 @@ def check_copy(dest: Path, remote: RemoteVersion) -> None:
             raise CacheError(f"incomplete copy: {f.name} is missing") from None
         if size != f.size:
             raise CacheError(
-                f"incomplete copy: {f.name} has {size} bytes, the listing says {f.size}"
+                f"incomplete copy: {f.name} has {size} bytes, the listing says {f.size}; it is "
+                "copied again at the next scan"
             )
 
 

@@ -417,6 +417,8 @@ class ModelManager:
             slot.served = await self._build(entry, vdir)
         except Exception as exc:
             slot.state, slot.reason = VersionState.UNAVAILABLE, self._clean(_describe(exc))
+            if _retry_on_rescan(exc):
+                slot.fingerprint = ""  # differs from any scan's: the next rescan retries
             logger.error("%s version %s failed to load: %s", m.name, vdir.version, slot.reason)
             return
         slot.state = VersionState.READY
@@ -437,7 +439,7 @@ class ModelManager:
             slot.reason = "reload failed, previous files still serving: " + self._clean(
                 _describe(exc)
             )
-            slot.fingerprint = vdir.fingerprint
+            slot.fingerprint = "" if _retry_on_rescan(exc) else vdir.fingerprint
             logger.error("%s version %s: %s", m.name, vdir.version, slot.reason)
             return
         old, slot.served = slot.served, served
@@ -493,6 +495,12 @@ class ModelManager:
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if isinstance(exc, QiaoError) else f"{type(exc).__name__}: {text}"
+
+
+def _retry_on_rescan(exc: BaseException) -> bool:
+    """Whether a failed load is retried at the next rescan even if nothing changed (a remote
+    version's copy that failed half-way); other failures wait for a change or a `load`."""
+    return bool(getattr(exc, "retry_on_rescan", False))
 
 
 def _config_key(entry: ModelEntry) -> Any:
