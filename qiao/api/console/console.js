@@ -1,6 +1,6 @@
 // The console's entry: the pages behind the #hash, and the key state in the header.
 
-import { forgetKey, onKeyChange, storedKey } from "./api.js";
+import { credential, forgetKey, onKeyChange, storedKey } from "./api.js";
 import * as dashboard from "./dashboard.js";
 import { $ } from "./dom.js";
 import * as models from "./models.js";
@@ -15,7 +15,9 @@ function route() {
   const name = allPages.includes(wanted) ? wanted : Object.keys(pages)[0];
   for (const page of allPages) {
     $(`page-${page}`).hidden = page !== name || !(page in pages);
-    document.querySelector(`#nav a[data-page="${page}"]`).classList.toggle("on", page === name);
+    const link = document.querySelector(`#nav a[data-page="${page}"]`);
+    link.classList.toggle("on", page === name);
+    link.hidden = !(page in pages);
   }
   $("page-elsewhere").hidden = name in pages;
   for (const [page, module] of Object.entries(pages)) {
@@ -26,11 +28,12 @@ function route() {
 
 function showKeyState() {
   const key = storedKey();
-  $("auth-state").textContent = key ? "key given" : "";
+  $("auth-state").textContent = key ? `${credential.title} given` : "";
   $("auth-forget").hidden = !key;
 }
 
 $("listener-name").textContent = listener === "management" ? "management listener" : "";
+$("auth-forget").textContent = listener === "management" ? "Forget token" : "Forget key";
 $("auth-forget").addEventListener("click", () => {
   forgetKey();
   location.reload();

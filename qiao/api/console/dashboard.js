@@ -172,10 +172,25 @@ function render(health) {
   $("dash-kv").textContent = fullest ? `KV cache ${fmtPercent(fullest.kv)} (${fullest.key})` : "";
   const ttft = mergeBuckets(llms.filter((r) => r.ttft).map((r) => r.ttft));
   const itl = mergeBuckets(llms.filter((r) => r.itl).map((r) => r.itl));
-  $("dash-ttft").textContent = `p50 ${fmtSeconds(quantile(0.5, ttft))} · p99 ${fmtSeconds(quantile(0.99, ttft))}`;
+  $("dash-ttft").textContent = fmtSeconds(quantile(0.5, ttft));
+  $("dash-ttft-tail").textContent = `p90 ${fmtSeconds(quantile(0.9, ttft))} · p99 ${fmtSeconds(quantile(0.99, ttft))}`;
   $("dash-itl").textContent = `inter-token p50 ${fmtSeconds(quantile(0.5, itl))} · p99 ${fmtSeconds(quantile(0.99, itl))}`;
   renderVersions(rows);
   renderSplit(rows);
+  renderGpus(history[history.length - 1].samples);
+}
+
+/** qiao:gpu_* (NVML, GPU machines only): utilisation and memory per device. */
+function renderGpus(samples) {
+  const byGpu = (labels) => labels.gpu;
+  const util = sumBy(samples, "qiao:gpu_utilization_perc", byGpu);
+  const used = sumBy(samples, "qiao:gpu_memory_used_bytes", byGpu);
+  const installed = sumBy(samples, "qiao:gpu_memory_total_bytes", byGpu);
+  const gib = (bytes) => (bytes / 2 ** 30).toFixed(1);
+  const lines = [...installed.keys()].map(
+    (gpu) => `GPU ${gpu}: ${util.has(gpu) ? fmtPercent(util.get(gpu)) : "—"} busy, ${gib(used.get(gpu) || 0)} / ${gib(installed.get(gpu))} GiB`,
+  );
+  $("dash-gpu").textContent = lines.join(" · ");
 }
 
 function renderVersions(rows) {
@@ -207,7 +222,23 @@ function renderVersions(rows) {
 }
 
 function badge(state) {
-  const kind = { up: "good", closed: "good", ready: "good", restarting: "bad", open: "bad", "half-open": "warn" }[state];
+  const kind = {
+    up: "good",
+    closed: "good",
+    ready: "good",
+    completed: "good",
+    restarting: "bad",
+    open: "bad",
+    "not ready": "bad",
+    failed: "bad",
+    expired: "bad",
+    cancelled: "bad",
+    "half-open": "warn",
+    validating: "warn",
+    in_progress: "warn",
+    finalizing: "warn",
+    cancelling: "warn",
+  }[state];
   return el("span", { class: `badge ${kind || ""}` }, state);
 }
 
