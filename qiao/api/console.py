@@ -63,14 +63,16 @@ class ConsoleShell:
     """Serves the console's static files before auth (see the module docstring); `/` redirects
     to `/ui` when `redirect_root`."""
 
-    def __init__(self, app: ASGIApp, listener: Listener = "main", redirect_root: bool = True):
+    def __init__(
+        self, app: ASGIApp, listener: Listener = "main", redirect_root: bool = True
+    ) -> None:
         self.app = app
         self.files = load_files(listener)
         self.redirect_root = redirect_root
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path == "/" and self.redirect_root:
+        if path == "/" and self.redirect_root and scope["method"] in ("GET", "HEAD"):
             await self._answer(scope, send, 307, b"", extra=[(b"location", PREFIX.encode())])
         elif path in (PREFIX, PREFIX + "/"):
             await self._file(scope, send, "index.html")

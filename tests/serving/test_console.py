@@ -433,6 +433,7 @@ def test_console_asks_for_the_key_when_one_is_set(server: SubprocessServer, open
         assert client.post("/ui").status_code == 405
         root = client.get("/")
         assert root.status_code == 307 and root.headers["location"] == "/ui"
+        assert client.post("/").status_code == 401
         for path in ("/metrics", "/v1/models", "/v1/batches", "/version"):
             assert client.get(path).status_code == 401, path
 
