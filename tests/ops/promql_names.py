@@ -39,7 +39,6 @@ KEYWORDS = frozenset(
 )
 # Keywords followed by a parenthesised list of label names, not of expressions.
 _LABEL_LIST_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
-_NAME_MATCHER = re.compile(r"""__name__\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
 
 def tokenize(expr: str) -> list[tuple[str, str]]:
@@ -54,17 +53,29 @@ def tokenize(expr: str) -> list[tuple[str, str]]:
 
 def metric_names(expr: str) -> set[str]:
     """The series names `expr` selects."""
+    return {name for name, _ in selectors(expr)}
+
+
+Matcher = tuple[str, str, str]  # (label, operator, value): ("status", "=~", "5..")
+
+
+def selectors(expr: str) -> list[tuple[str, list[Matcher]]]:
+    """Each series selector of `expr`: its name and its label matchers, in order.
+    E.g. `rate(x{a="1"}[5m]) / y` -> [("x", [("a", "=", "1")]), ("y", [])]."""
     tokens = tokenize(expr)
-    names: set[str] = set()
+    found: list[tuple[str, list[Matcher]]] = []
     i = 0
     while i < len(tokens):
         kind, text = tokens[i]
-        if kind == "open" and text in "{[":
+        if kind == "open" and text == "{":  # no name before it: `{__name__="x", ...}`
             end = _closing(tokens, i)
-            if text == "{":
-                inside = "".join(t for _, t in tokens[i + 1 : end])
-                names.update(a or b for a, b in _NAME_MATCHER.findall(inside))
+            matchers = _matchers(tokens[i + 1 : end])
+            others = [m for m in matchers if m[0] != "__name__"]
+            found += [(m[2], others) for m in matchers if m[:2] == ("__name__", "=")]
             i = end + 1
+            continue
+        if kind == "open" and text == "[":
+            i = _closing(tokens, i) + 1
             continue
         if kind == "ident":
             word = text.lower()
@@ -77,9 +88,29 @@ def metric_names(expr: str) -> set[str]:
                 following[0] == "ident" and following[1].lower() in ("by", "without")
             )
             if not is_call and word not in KEYWORDS:
-                names.add(text)
+                matchers: list[Matcher] = []
+                if following == ("open", "{"):
+                    end = _closing(tokens, i + 1)
+                    matchers = _matchers(tokens[i + 2 : end])
+                    i = end
+                found.append((text, matchers))
         i += 1
-    return names
+    return found
+
+
+def _matchers(tokens: list[tuple[str, str]]) -> list[Matcher]:
+    """The tokens between a selector's braces -> (label, operator, value) triples."""
+    matchers = []
+    label, operator = "", ""
+    for kind, text in tokens:
+        if kind == "ident" and not label:
+            label = text
+        elif kind == "string":
+            matchers.append((label, operator, text[1:-1]))
+            label, operator = "", ""
+        elif kind == "other" and text != ",":
+            operator += text
+    return matchers
 
 
 def _closing(tokens: list[tuple[str, str]], start: int) -> int:

@@ -3,7 +3,8 @@
 `exported_series()` starts bare `qiao serve` (the built-in demo LLM in its engine process and
 MiniLM behind the dynamic batcher, so the collectors that only report served versions report)
 with two data-parallel replicas (so the per-replica series appear), scrapes /metrics once and
-stops it. A family's `# HELP`/`# TYPE` lines come before any sample does, so labelled series
+stops it (after one completion and one embedding, so that labelled histograms have samples
+whose labels `series_labels()` reports). A family's `# HELP`/`# TYPE` lines come before any sample does, so labelled series
 that have seen no traffic still count; each family stands for the sample names Prometheus
 stores from it (a histogram's `_bucket`, `_sum`, `_count`, `_created`; a counter's `_total`,
 `_created`).
@@ -29,6 +30,8 @@ from qiao.api.gpu_metrics import GPU_SERIES
 
 _TYPE_LINE = re.compile(r"^# TYPE (\S+) (\w+)$", re.MULTILINE)
 _SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)[{ ]", re.MULTILINE)
+# A label and its quoted value (which may hold braces: route="/v2/models/{model_name}/infer").
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="(?:[^"\\]|\\.)*"')
 _SUFFIXES = {
     "histogram": ("_bucket", "_sum", "_count", "_created"),
     "summary": ("", "_sum", "_count", "_created"),
@@ -61,12 +64,35 @@ def scrape() -> str:
             [*args, "--data-parallel-size", replicas], Path(folder) / "server.log"
         ).wait_ready()
         try:
-            with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
+            with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+                _traffic(client)
                 response = client.get("/metrics")
                 response.raise_for_status()
                 return response.text
         finally:
             server.stop()
+
+
+def _traffic(client: httpx.Client) -> None:
+    """A completion and an embedding, so the labelled histograms have samples (and labels)."""
+    body = {"model": "demo_model", "prompt": "Once upon a time", "max_tokens": 4}
+    client.post("/v1/completions", json=body).raise_for_status()
+    body = {"model": "all-MiniLM-L6-v2", "input": "hello world"}
+    client.post("/v1/embeddings", json=body).raise_for_status()
+
+
+@functools.cache
+def series_labels() -> dict[str, frozenset[str]]:
+    """Sample name -> the label names its samples carry in the scrape (`le` left out). Read
+    from the text as Prometheus stores it (prometheus_client's parser would rename Triton's
+    counters, which have no `_total`)."""
+    labels: dict[str, set[str]] = {}
+    for line in scrape().splitlines():
+        match = _SAMPLE_LINE.match(line)
+        if match:
+            names = labels.setdefault(match.group(1), set())
+            names.update(_LABEL.findall(line, match.end(1)))
+    return {name: frozenset(names - {"le"}) for name, names in labels.items()}
 
 
 @functools.cache

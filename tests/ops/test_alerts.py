@@ -17,8 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from .promql_names import metric_names
-from .qiao_series import exported_series
+from qiao.api.gpu_metrics import GPU_SERIES
+from qiao.api.gpu_metrics import LABELS as GPU_LABELS
+
+from .promql_names import metric_names, selectors
+from .qiao_series import exported_series, series_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "qiao-alerts.yaml"
@@ -113,7 +116,14 @@ def test_the_rules_read_only_series_qiao_exports() -> None:
 
 
 def test_the_unit_tests_feed_only_series_qiao_exports() -> None:
-    exported = exported_series()
+    """Names, and label names where the scrape shows them (GPU series: the collector's labels);
+    `instance` and `job` are the target labels Prometheus adds."""
+    exported, labels = exported_series(), series_labels()
     for group in _test_groups():
         for series in group["input_series"]:
-            assert _series_name(series["series"]) in exported, (group["name"], series["series"])
+            [(name, matchers)] = selectors(series["series"])
+            assert name in exported, (group["name"], series["series"])
+            real = set(GPU_LABELS) if name in GPU_SERIES else labels.get(name)
+            if real is not None:
+                fed = {label for label, _, _ in matchers} - {"instance", "job", "le"}
+                assert fed == real, (group["name"], series["series"], real)

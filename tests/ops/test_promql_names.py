@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .promql_names import metric_names
+from .promql_names import metric_names, selectors
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,15 @@ from .promql_names import metric_names
 )
 def test_metric_names(expr: str, names: set[str]) -> None:
     assert metric_names(expr) == names
+
+
+def test_selectors_keep_their_matchers() -> None:
+    expr = (
+        'sum by (le) (rate(qiao:ttft_bucket{model_name=~"$model_name", version!="2"}[5m]))'
+        ' / ignoring(x) {__name__="qiao:batch_jobs", status="failed"} + up'
+    )
+    assert selectors(expr) == [
+        ("qiao:ttft_bucket", [("model_name", "=~", "$model_name"), ("version", "!=", "2")]),
+        ("qiao:batch_jobs", [("status", "=", "failed")]),
+        ("up", []),
+    ]
