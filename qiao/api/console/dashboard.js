@@ -4,7 +4,15 @@
 
 import { apiFetch, apiJson, AuthCancelled, errorMessage } from "./api.js";
 import { $, el, fmtCount, fmtPercent, fmtRate, fmtSeconds, fmtTime } from "./dom.js";
-import { bucketDelta, histograms, mergeBuckets, parseMetrics, quantile, rate, sumBy } from "./prom.js";
+import {
+  bucketDelta,
+  histograms,
+  mergeBuckets,
+  parseMetrics,
+  quantile,
+  rate,
+  sumBy,
+} from "./prom.js";
 
 const WINDOW_MS = 60_000; // percentiles and the traffic split: the last minute of scrapes
 const KEEP_MS = 5 * 60_000;
@@ -128,7 +136,8 @@ function figures() {
       model: key.slice(0, key.lastIndexOf("@")),
       version: key.slice(key.lastIndexOf("@") + 1),
       isLLM: tokens.has(key),
-      tokensRate: previous && tokens.has(key) ? rate(tokens.get(key), tokensBefore.get(key), seconds) : NaN,
+      tokensRate:
+        previous && tokens.has(key) ? rate(tokens.get(key), tokensBefore.get(key), seconds) : NaN,
       requestsRate: previous ? rate(requests.get(key) || 0, requestsBefore.get(key), seconds) : NaN,
       finished: requests.get(key) || 0,
       windowRequests: (requests.get(key) || 0) - (requestsAtStart.get(key) || 0),
@@ -167,14 +176,17 @@ function render(health) {
   drawSpark();
   $("dash-requests").textContent = fmtCount(total(rows, "finished"));
   $("dash-requests-rate").textContent = polled ? `${fmtRate(total(rows, "requestsRate"))} / s` : "";
-  $("dash-queue").textContent = `${fmtCount(total(llms, "running"))} / ${fmtCount(total(llms, "waiting"))}`;
+  $("dash-queue").textContent =
+    `${fmtCount(total(llms, "running"))} / ${fmtCount(total(llms, "waiting"))}`;
   const fullest = llms.reduce((a, b) => ((b.kv ?? -1) > (a?.kv ?? -1) ? b : a), null);
   $("dash-kv").textContent = fullest ? `KV cache ${fmtPercent(fullest.kv)} (${fullest.key})` : "";
   const ttft = mergeBuckets(llms.filter((r) => r.ttft).map((r) => r.ttft));
   const itl = mergeBuckets(llms.filter((r) => r.itl).map((r) => r.itl));
   $("dash-ttft").textContent = fmtSeconds(quantile(0.5, ttft));
-  $("dash-ttft-tail").textContent = `p90 ${fmtSeconds(quantile(0.9, ttft))} · p99 ${fmtSeconds(quantile(0.99, ttft))}`;
-  $("dash-itl").textContent = `inter-token p50 ${fmtSeconds(quantile(0.5, itl))} · p99 ${fmtSeconds(quantile(0.99, itl))}`;
+  $("dash-ttft-tail").textContent =
+    `p90 ${fmtSeconds(quantile(0.9, ttft))} · p99 ${fmtSeconds(quantile(0.99, ttft))}`;
+  $("dash-itl").textContent =
+    `inter-token p50 ${fmtSeconds(quantile(0.5, itl))} · p99 ${fmtSeconds(quantile(0.99, itl))}`;
   renderVersions(rows);
   renderSplit(rows);
   renderGpus(history[history.length - 1].samples);
@@ -187,9 +199,10 @@ function renderGpus(samples) {
   const used = sumBy(samples, "qiao:gpu_memory_used_bytes", byGpu);
   const installed = sumBy(samples, "qiao:gpu_memory_total_bytes", byGpu);
   const gib = (bytes) => (bytes / 2 ** 30).toFixed(1);
-  const lines = [...installed.keys()].map(
-    (gpu) => `GPU ${gpu}: ${util.has(gpu) ? fmtPercent(util.get(gpu)) : "—"} busy, ${gib(used.get(gpu) || 0)} / ${gib(installed.get(gpu))} GiB`,
-  );
+  const lines = [...installed.keys()].map((gpu) => {
+    const busy = util.has(gpu) ? fmtPercent(util.get(gpu)) : "—";
+    return `GPU ${gpu}: ${busy} busy, ${gib(used.get(gpu) || 0)} / ${gib(installed.get(gpu))} GiB`;
+  });
   $("dash-gpu").textContent = lines.join(" · ");
 }
 
@@ -200,7 +213,11 @@ function renderVersions(rows) {
     return [
       el("td", {}, row.model),
       el("td", {}, row.version),
-      el("td", { class: "num", "data-field": "tokens-rate" }, row.isLLM ? fmtRate(row.tokensRate) : "—"),
+      el(
+        "td",
+        { class: "num", "data-field": "tokens-rate" },
+        row.isLLM ? fmtRate(row.tokensRate) : "—",
+      ),
       el("td", { class: "num" }, fmtRate(row.requestsRate)),
       el("td", { class: "num", "data-field": "finished" }, fmtCount(row.finished)),
       q(row.ttft, 0.5),
@@ -218,7 +235,11 @@ function renderVersions(rows) {
     ];
   };
   const trs = rows.map((row) => el("tr", { "data-version": row.key }, cells(row)));
-  body.replaceChildren(...(trs.length ? trs : [el("tr", {}, el("td", { colspan: 17, class: "muted" }, "no model series yet"))]));
+  body.replaceChildren(
+    ...(trs.length
+      ? trs
+      : [el("tr", {}, el("td", { colspan: 17, class: "muted" }, "no model series yet"))]),
+  );
 }
 
 function badge(state) {
@@ -259,15 +280,34 @@ function renderSplit(rows) {
     const legend = el("div", { class: "split-legend" });
     versions.forEach((row, i) => {
       const share = sum ? row[field] / sum : 0;
-      const segment = el("span", { class: `seg c${i % 6}`, title: `version ${row.version}: ${fmtPercent(share)}` });
+      const segment = el("span", {
+        class: `seg c${i % 6}`,
+        title: `version ${row.version}: ${fmtPercent(share)}`,
+      });
       segment.style.width = `${share * 100}%`;
       bar.append(segment);
-      legend.append(el("span", { class: `key c${i % 6}` }, `v${row.version} ${fmtPercent(share)} (${fmtCount(row[field])})`));
+      legend.append(
+        el(
+          "span",
+          { class: `key c${i % 6}` },
+          `v${row.version} ${fmtPercent(share)} (${fmtCount(row[field])})`,
+        ),
+      );
     });
     const when = windowed ? "last 60 s" : "since start";
-    blocks.push(el("div", { class: "split", "data-model": model }, el("div", { class: "split-name" }, model, el("span", { class: "muted" }, ` ${when}`)), bar, legend));
+    blocks.push(
+      el(
+        "div",
+        { class: "split", "data-model": model },
+        el("div", { class: "split-name" }, model, el("span", { class: "muted" }, ` ${when}`)),
+        bar,
+        legend,
+      ),
+    );
   }
-  $("dash-split").replaceChildren(...(blocks.length ? blocks : [el("p", { class: "muted" }, "no requests yet")]));
+  $("dash-split").replaceChildren(
+    ...(blocks.length ? blocks : [el("p", { class: "muted" }, "no requests yet")]),
+  );
 }
 
 function renderHealth(health) {
@@ -305,8 +345,14 @@ function renderBatches(batches) {
       el("td", {}, b.created_at ? fmtTime(new Date(b.created_at * 1000)) : ""),
     );
   });
-  const head = el("tr", {}, ["batch", "endpoint", "status", "progress", "lines", "", "created"].map((h) => el("th", {}, h)));
-  $("dash-batches").replaceChildren(el("table", { class: "data" }, el("thead", {}, head), el("tbody", {}, rows)));
+  const head = el(
+    "tr",
+    {},
+    ["batch", "endpoint", "status", "progress", "lines", "", "created"].map((h) => el("th", {}, h)),
+  );
+  $("dash-batches").replaceChildren(
+    el("table", { class: "data" }, el("thead", {}, head), el("tbody", {}, rows)),
+  );
 }
 
 function drawSpark() {
@@ -314,6 +360,8 @@ function drawSpark() {
   const max = Math.max(1, ...tokenRates);
   const step = 120 / Math.max(1, SPARK_POINTS - 1);
   const offset = (SPARK_POINTS - tokenRates.length) * step;
-  const points = tokenRates.map((v, i) => `${(offset + i * step).toFixed(1)},${(29 - (v / max) * 28).toFixed(1)}`);
+  const points = tokenRates.map(
+    (v, i) => `${(offset + i * step).toFixed(1)},${(29 - (v / max) * 28).toFixed(1)}`,
+  );
   line.setAttribute("points", points.join(" "));
 }

@@ -22,7 +22,8 @@ export function show() {
     started = true;
     $("models-refresh").addEventListener("click", () => refresh());
     $("models-note").textContent = management
-      ? "Management listener: reload picks up new or replaced versions; unload and traffic act at once."
+      ? "Management listener: reload picks up new or replaced versions; " +
+        "unload and traffic act at once."
       : "Read-only here. Loading, unloading and traffic weights run on the management listener " +
         "(qiao serve --management-port): open /ui there.";
     if (management) addLoadForm();
@@ -43,7 +44,12 @@ async function refresh() {
     render(rows, served);
     $("models-updated").textContent = `updated ${fmtTime(new Date())}`;
   } catch (error) {
-    status(error instanceof AuthCancelled ? `${error.message}: press Refresh to enter one` : error.message, true);
+    status(
+      error instanceof AuthCancelled
+        ? `${error.message}: press Refresh to enter one`
+        : error.message,
+      true,
+    );
     if (error instanceof AuthCancelled) return;
   }
   if (visible) timer = setTimeout(refresh, REFRESH_MS);
@@ -64,7 +70,8 @@ async function mainIndex() {
   if (!response.ok) throw new Error(`/metrics: ${await errorMessage(response)}`);
   const samples = parseMetrics(await response.text());
   const served = sumBy(samples, "qiao:request_success_total");
-  for (const [k, v] of sumBy(samples, "qiao:infer_requests_total")) served.set(k, (served.get(k) || 0) + v);
+  for (const [k, v] of sumBy(samples, "qiao:infer_requests_total"))
+    served.set(k, (served.get(k) || 0) + v);
   return [rows, served];
 }
 
@@ -93,9 +100,19 @@ function render(rows, served) {
 
 function newCard(model) {
   const tbody = el("tbody");
-  const headings = ["version", "state", "circuit breaker", ...(management ? [] : ["requests", "share"]), "reason"];
+  const headings = [
+    "version",
+    "state",
+    "circuit breaker",
+    ...(management ? [] : ["requests", "share"]),
+    "reason",
+  ];
   const numeric = new Set(["requests", "share"]);
-  const head = el("tr", {}, headings.map((h) => el("th", { class: numeric.has(h) ? "num" : null }, h)));
+  const head = el(
+    "tr",
+    {},
+    headings.map((h) => el("th", { class: numeric.has(h) ? "num" : null }, h)),
+  );
   const root = el(
     "div",
     { class: "model-card", "data-model": model },
@@ -110,7 +127,9 @@ function newCard(model) {
 }
 
 function fillCard(card, model, versions, served) {
-  const total = served ? versions.reduce((sum, v) => sum + (served.get(`${model}@${v.version}`) || 0), 0) : 0;
+  const total = served
+    ? versions.reduce((sum, v) => sum + (served.get(`${model}@${v.version}`) || 0), 0)
+    : 0;
   card.tbody.replaceChildren(
     ...versions.map((v) => {
       const count = served?.get(`${model}@${v.version}`) || 0;
@@ -120,7 +139,12 @@ function fillCard(card, model, versions, served) {
         el("td", {}, v.version || "—"),
         el("td", {}, el("span", { class: `badge ${stateKind(v.state)}` }, v.state)),
         el("td", {}, v.circuit_breaker || "—"),
-        ...(served ? [el("td", { class: "num" }, fmtCount(count)), el("td", { class: "num" }, total ? fmtPercent(count / total) : "—")] : []),
+        ...(served
+          ? [
+              el("td", { class: "num" }, fmtCount(count)),
+              el("td", { class: "num" }, total ? fmtPercent(count / total) : "—"),
+            ]
+          : []),
         el("td", { class: "reason" }, v.reason || ""),
       );
     }),
@@ -131,7 +155,18 @@ function fillCard(card, model, versions, served) {
       card.versions = ready.join();
       card.traffic.replaceChildren(
         ...ready.map((version) =>
-          el("label", { class: "weight" }, `v${version} `, el("input", { type: "number", min: 0, step: 1, "data-weight": version, placeholder: "0" })),
+          el(
+            "label",
+            { class: "weight" },
+            `v${version} `,
+            el("input", {
+              type: "number",
+              min: 0,
+              step: 1,
+              "data-weight": version,
+              placeholder: "0",
+            }),
+          ),
         ),
       );
     }
@@ -172,21 +207,42 @@ function actions(model, card) {
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify({ weights }),
       });
-      setWeights.textContent = `weights set from here: ${Object.entries(answer.weights).map(([v, w]) => `v${v} ${w}`).join(", ")}`;
+      setWeights.textContent = `weights set from here: ${Object.entries(answer.weights)
+        .map(([v, w]) => `v${v} ${w}`)
+        .join(", ")}`;
       return answer;
     });
   });
   return el(
     "div",
     { class: "actions" },
-    el("div", { class: "buttons" }, el("button", { type: "button", class: "primary", onclick: () => act(`reload ${model}`, () => apiPost(`/v1/repository/models/${model}/reload`)) }, "Reload"), unload),
+    el(
+      "div",
+      { class: "buttons" },
+      el(
+        "button",
+        {
+          type: "button",
+          class: "primary",
+          onclick: () =>
+            act(`reload ${model}`, () => apiPost(`/v1/repository/models/${model}/reload`)),
+        },
+        "Reload",
+      ),
+      unload,
+    ),
     el("div", { class: "traffic" }, el("span", {}, "traffic weights "), card.traffic, apply),
     setWeights,
   );
 }
 
 function addLoadForm() {
-  const input = el("input", { type: "text", placeholder: "model name", id: "models-load-name", spellcheck: "false" });
+  const input = el("input", {
+    type: "text",
+    placeholder: "model name",
+    id: "models-load-name",
+    spellcheck: "false",
+  });
   const button = el("button", { type: "button" }, "Load");
   button.addEventListener("click", () => {
     const name = input.value.trim();

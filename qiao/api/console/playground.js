@@ -5,7 +5,15 @@ import { apiFetch, apiJson, AuthCancelled, errorMessage, sseEvents } from "./api
 import { $, el, fmtCount, fmtRate, fmtSeconds, visibleToken } from "./dom.js";
 
 // Number fields sent when filled in; empty ones are left to the server's defaults.
-const NUMBER_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty"];
+const NUMBER_FIELDS = [
+  "temperature",
+  "top_p",
+  "top_k",
+  "max_tokens",
+  "seed",
+  "presence_penalty",
+  "frequency_penalty",
+];
 const INTEGER_FIELDS = new Set(["top_k", "max_tokens", "seed"]);
 
 let mode = "chat";
@@ -24,7 +32,9 @@ export function show() {
   $("pg-input").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) send();
   });
-  for (const input of document.querySelectorAll(".params input, .params select, .params textarea")) {
+  for (const input of document.querySelectorAll(
+    ".params input, .params select, .params textarea",
+  )) {
     input.addEventListener("input", () => showRequest(requestBody("…")));
   }
   loadModels();
@@ -39,7 +49,11 @@ async function loadModels() {
     // Only generative models answer here; encoders (no max_model_len) are listed, disabled.
     select.replaceChildren(
       ...data.map((m) =>
-        el("option", { value: m.id, disabled: m.max_model_len === null }, m.max_model_len === null ? `${m.id} (embeddings)` : m.id),
+        el(
+          "option",
+          { value: m.id, disabled: m.max_model_len === null },
+          m.max_model_len === null ? `${m.id} (embeddings)` : m.id,
+        ),
       ),
     );
     const first = data.find((m) => m.max_model_len !== null);
@@ -47,7 +61,11 @@ async function loadModels() {
     select.dataset.loaded = "true";
     showRequest(requestBody("…"));
   } catch (error) {
-    showError(error instanceof AuthCancelled ? `${error.message}: send to try again` : `/v1/models: ${error.message}`);
+    showError(
+      error instanceof AuthCancelled
+        ? `${error.message}: send to try again`
+        : `/v1/models: ${error.message}`,
+    );
   }
 }
 
@@ -77,7 +95,11 @@ function requestBody(text) {
   const body = { model: $("pg-model").value };
   if (mode === "chat") {
     const system = $("pg-system").value.trim();
-    body.messages = [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content: text }];
+    body.messages = [
+      ...(system ? [{ role: "system", content: system }] : []),
+      ...history,
+      { role: "user", content: text },
+    ];
   } else {
     body.prompt = text;
   }
@@ -85,7 +107,9 @@ function requestBody(text) {
     const raw = $(`pg-${field}`).value.trim();
     if (raw !== "") body[field] = INTEGER_FIELDS.has(field) ? parseInt(raw, 10) : Number(raw);
   }
-  const stop = $("pg-stop").value.split("\n").filter((s) => s !== "");
+  const stop = $("pg-stop")
+    .value.split("\n")
+    .filter((s) => s !== "");
   if (stop.length) body.stop = stop;
   if ($("pg-logprobs").checked) {
     const k = parseInt($("pg-top_logprobs").value || "0", 10);
@@ -136,7 +160,9 @@ async function send() {
       signal: controller.signal,
     });
     if (!response.ok) throw new Error(await errorMessage(response));
-    const result = body.stream ? await readStream(response, answer, timing) : await readWhole(response, answer, timing);
+    const result = body.stream
+      ? await readStream(response, answer, timing)
+      : await readWhole(response, answer, timing);
     finishTurn(text, answer, result, timing);
   } catch (error) {
     answer.dataset.state = "failed";
@@ -158,8 +184,18 @@ function startTurn(text) {
   const transcript = $("pg-transcript");
   const answer = el("div", { class: "text", "data-state": "streaming", "data-chunks": "0" });
   transcript.append(
-    el("div", { class: "turn user" }, el("div", { class: "who" }, mode === "chat" ? "user" : "prompt"), el("div", { class: "text" }, text)),
-    el("div", { class: "turn assistant" }, el("div", { class: "who" }, mode === "chat" ? "assistant" : "completion"), answer),
+    el(
+      "div",
+      { class: "turn user" },
+      el("div", { class: "who" }, mode === "chat" ? "user" : "prompt"),
+      el("div", { class: "text" }, text),
+    ),
+    el(
+      "div",
+      { class: "turn assistant" },
+      el("div", { class: "who" }, mode === "chat" ? "assistant" : "completion"),
+      answer,
+    ),
   );
   answer.scrollIntoView({ block: "nearest" });
   return answer;
@@ -202,12 +238,19 @@ async function readWhole(response, answer, timing) {
 function tokenEntries(logprobs) {
   if (!logprobs) return [];
   if (logprobs.content) {
-    return logprobs.content.map((c) => ({ token: c.token, logprob: c.logprob, top: c.top_logprobs || [] }));
+    return logprobs.content.map((c) => ({
+      token: c.token,
+      logprob: c.logprob,
+      top: c.top_logprobs || [],
+    }));
   }
   return (logprobs.tokens || []).map((token, i) => ({
     token,
     logprob: logprobs.token_logprobs[i],
-    top: Object.entries(logprobs.top_logprobs?.[i] || {}).map(([t, lp]) => ({ token: t, logprob: lp })),
+    top: Object.entries(logprobs.top_logprobs?.[i] || {}).map(([t, lp]) => ({
+      token: t,
+      logprob: lp,
+    })),
   }));
 }
 
@@ -219,8 +262,18 @@ function append(answer, text, entries) {
   }
   const lowest = Math.min(...entries.map((e) => e.logprob ?? 0));
   const p = Math.exp(lowest);
-  const span = el("span", { class: `tok ${p >= 0.9 ? "p-high" : p >= 0.5 ? "p-mid" : p >= 0.2 ? "p-low" : "p-vlow"}`, tabindex: 0 }, text);
-  span.title = entries.map((e) => `${visibleToken(e.token)}  logprob ${e.logprob?.toFixed(3)}  p ${(Math.exp(e.logprob) * 100).toFixed(1)} %`).join("\n");
+  const span = el(
+    "span",
+    {
+      class: `tok ${p >= 0.9 ? "p-high" : p >= 0.5 ? "p-mid" : p >= 0.2 ? "p-low" : "p-vlow"}`,
+      tabindex: 0,
+    },
+    text,
+  );
+  const percent = (logprob) => `${(Math.exp(logprob) * 100).toFixed(1)} %`;
+  span.title = entries
+    .map((e) => `${visibleToken(e.token)}  logprob ${e.logprob.toFixed(3)}  ${percent(e.logprob)}`)
+    .join("\n");
   const detail = () => showToken(entries);
   span.addEventListener("mouseenter", detail);
   span.addEventListener("focus", detail);
@@ -241,8 +294,22 @@ function showToken(entries) {
     return el(
       "div",
       { class: "token-block" },
-      el("div", { class: "token-head" }, el("span", { class: "mono big" }, visibleToken(entry.token)), ` logprob ${entry.logprob.toFixed(3)}`),
-      el("table", { class: "data" }, el("thead", {}, el("tr", {}, el("th", {}, "alternative"), el("th", {}, "logprob"), el("th", {}, "p"))), el("tbody", {}, rows)),
+      el(
+        "div",
+        { class: "token-head" },
+        el("span", { class: "mono big" }, visibleToken(entry.token)),
+        ` logprob ${entry.logprob.toFixed(3)}`,
+      ),
+      el(
+        "table",
+        { class: "data" },
+        el(
+          "thead",
+          {},
+          el("tr", {}, el("th", {}, "alternative"), el("th", {}, "logprob"), el("th", {}, "p")),
+        ),
+        el("tbody", {}, rows),
+      ),
     );
   });
   $("pg-token-detail").replaceChildren(...blocks);
@@ -250,7 +317,8 @@ function showToken(entries) {
 
 function finishTurn(text, answer, result, timing) {
   answer.dataset.state = "done";
-  if (mode === "chat") history.push({ role: "user", content: text }, { role: "assistant", content: result.text });
+  if (mode === "chat")
+    history.push({ role: "user", content: text }, { role: "assistant", content: result.text });
   $("pg-input").value = "";
   const done = performance.now();
   const usage = result.usage;
@@ -259,11 +327,21 @@ function finishTurn(text, answer, result, timing) {
     ["prompt", usage ? fmtCount(usage.prompt_tokens) : "—", "prompt tokens"],
     ["completion", usage ? fmtCount(usage.completion_tokens) : "—", "completion tokens"],
     ["total", usage ? fmtCount(usage.total_tokens) : "—", "total tokens"],
-    ["first token", fmtSeconds(((timing.first ?? done) - timing.sent) / 1000), "time to first token, seen here"],
-    ["tokens/s", usage && seconds > 0 ? fmtRate((usage.completion_tokens - 1) / seconds) : "—", "after the first token, seen here"],
+    [
+      "first token",
+      fmtSeconds(((timing.first ?? done) - timing.sent) / 1000),
+      "time to first token, seen here",
+    ],
+    [
+      "tokens/s",
+      usage && seconds > 0 ? fmtRate((usage.completion_tokens - 1) / seconds) : "—",
+      "after the first token, seen here",
+    ],
     ["finish", result.finish || "—", "finish_reason"],
   ];
   $("pg-usage").replaceChildren(
-    ...items.map(([name, value, title]) => el("span", { class: "figure", title, "data-usage": name }, el("b", {}, value), ` ${name}`)),
+    ...items.map(([name, value, title]) =>
+      el("span", { class: "figure", title, "data-usage": name }, el("b", {}, value), ` ${name}`),
+    ),
   );
 }
