@@ -1,7 +1,8 @@
 """The management API: repository index, load / unload / reload, traffic weights.
 
 `create_management_app(control, token=...)` is its own app, run on its own listener. Every route
-needs `Authorization: Bearer <token>`. Routes:
+needs `Authorization: Bearer <token>` (the web console's static shell at `/ui` aside: it holds no
+data and its calls carry the token; `qiao/api/console.py`). Routes:
 
     GET  /v1/repository                          {"models": [{name, version, state, reason}]}
     POST /v1/repository/models/{model}/load      (re)load from the repository
