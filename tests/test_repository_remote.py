@@ -545,6 +545,23 @@ def test_gc_of_every_cached_repository_and_an_unlistable_one(
     assert [k for k, p in paths.items() if not p.exists()] == ["interrupted"]
 
 
+def test_a_server_collects_its_own_cache_after_a_scan(
+    populated: tuple[Remote, Path, dict[str, Path]],
+) -> None:
+    remote, cache_dir, paths = populated
+    repository = open_repository(remote.url, cache_dir, gc_days=30)
+    assert repository.scan is not None
+    entries = repository.scan(lambda message: None)
+    assert sorted(entries) == ["embed", "latest"]
+    gone = [k for k, p in paths.items() if not p.exists()]
+    assert sorted(gone) == ["gone", "interrupted", "outside policy", "replaced"]
+    # Once per interval: a copy left behind now stays until the next collection.
+    crashed = paths["served"].parent / ".tmp-def-999999-dead"
+    crashed.mkdir()
+    repository.scan(lambda message: None)
+    assert crashed.exists()
+
+
 # --- the metric ------------------------------------------------------------------------------
 
 

@@ -309,6 +309,7 @@ def build_app(settings: ServeSettings) -> Any:
     repository = open_repository(
         settings.model_repository,
         settings.repository_cache_dir or settings.data_dir / CACHE_DIR_NAME,
+        gc_days=settings.repository_cache_gc_days,
     )
     # torch's thread count is per process: one setting for every model of the repository.
     apply_num_threads(settings.num_threads)

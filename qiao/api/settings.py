@@ -129,6 +129,13 @@ class ServeSettings(_EngineFields):
         description="where versions of a remote --model-repository are copied (one folder per "
         "repository URL; `qiao repository gc` cleans it; default <data-dir>/repository-cache)",
     )
+    repository_cache_gc_days: float | None = Field(
+        None,
+        ge=0,
+        description="with a remote --model-repository: after a scan (at most hourly), remove "
+        "its cached copies no longer served or unused for this many days, as `qiao repository "
+        "gc --unused-days` does (default: off)",
+    )
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",
         description="none: load all at start; poll: also rescan every --repository-poll-interval;"
@@ -326,6 +333,12 @@ class ServeSettings(_EngineFields):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("model_repository", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        # A folder may be given as a Path (it was a Path field before URLs were allowed).
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @model_validator(mode="after")
     def _one_model_source(self) -> ServeSettings:

@@ -34,7 +34,7 @@ from qiao.repository.cache import (
 from qiao.repository.scan import is_model_name, is_version_name
 
 # (model, version) -> the signature of the copy the repository serves now ("" when unknown).
-Served = dict[tuple[str, str], str]
+ServedCopies = dict[tuple[str, str], str]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def cached_repositories(cache_dir: Path) -> dict[Path, str]:
 
 def collect_garbage(
     root: Path,
-    served: Served | None,
+    served: ServedCopies | None,
     *,
     unused_days: float | None = None,
     dry_run: bool = False,
@@ -88,7 +88,7 @@ def collect_garbage(
 
 @dataclass(frozen=True)
 class _Rules:
-    served: Served | None
+    served: ServedCopies | None
     unused_days: float | None
     now: float
 

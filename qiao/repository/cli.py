@@ -18,9 +18,9 @@ from pathlib import Path
 from qiao.api.settings import default_data_dir
 from qiao.errors import ConfigError, QiaoError
 from qiao.repository.cache import CACHE_DIR_NAME, cache_root, normalize_url
-from qiao.repository.cache_gc import GcReport, Served, cached_repositories, collect_garbage
+from qiao.repository.cache_gc import GcReport, ServedCopies, cached_repositories, collect_garbage
 from qiao.repository.cache_gc import format_size as size
-from qiao.repository.remote import open_repository
+from qiao.repository.remote import open_repository, served_versions
 
 
 def default_cache_dir() -> Path:
@@ -107,7 +107,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _served(url: str, cache_dir: Path) -> Served | None:
+def _served(url: str, cache_dir: Path) -> ServedCopies | None:
     """What the repository at `url` serves now, by (model, version); None if it cannot be
     listed (said on stderr)."""
     try:
@@ -121,11 +121,7 @@ def _served(url: str, cache_dir: Path) -> Served | None:
             file=sys.stderr,
         )
         return None
-    return {
-        (name, version): vdir.fingerprint
-        for name, entry in entries.items()
-        for version, vdir in entry.versions.items()
-    }
+    return served_versions(entries)
 
 
 def _print_report(url: str, report: GcReport, dry_run: bool) -> None:

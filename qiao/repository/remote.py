@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qiao.errors import ConfigError
 from qiao.repository.cache import Lease, RemoteFile, RemoteVersion, VersionCache, signature
+from qiao.repository.cache_gc import ServedCopies, collect_garbage
 from qiao.repository.config import (
     CONFIG_FILE_NAMES,
     MAX_CONFIG_FILE_BYTES,
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
 logger = logging.getLogger("qiao.repository")
+
+GC_INTERVAL_S = 3600.0  # the server's own cache collection, at most this often
 
 # Listing fields that change when an object is replaced, by store: S3 (ETag, LastModified), GCS
 # (generation, md5Hash, updated), Azure (etag, last_modified), memory (created), local (mtime).
@@ -88,10 +92,12 @@ class Repository:
         return ModelManager(cached, self.root, scan=self.scan, on_stopped=cached.release, **kwargs)
 
 
-def open_repository(location: str, cache_dir: Path) -> Repository:
+def open_repository(location: str, cache_dir: Path, *, gc_days: float | None = None) -> Repository:
     """The repository at `location` (a local path or an fsspec URL); a remote one's versions
-    are copied under `cache_dir`. Raises ConfigError for a missing local folder, an unknown
-    protocol or a store whose fsspec package is not installed."""
+    are copied under `cache_dir`. With `gc_days`, a scan also collects this repository's cache
+    (at most once per GC_INTERVAL_S; the rules of `qiao repository gc --unused-days`). Raises
+    ConfigError for a missing local folder, an unknown protocol or a store whose fsspec package
+    is not installed."""
     fs, path = _filesystem(location)
     if _is_local(fs):
         root = Path(path)
@@ -99,7 +105,10 @@ def open_repository(location: str, cache_dir: Path) -> Repository:
             raise ConfigError(f"model_repository {location} is not a directory")
         return Repository(location, root)
     cache = VersionCache(cache_dir, location)
-    return Repository(location, cache.root, RemoteScanner(fs, path, cache), cache)
+    scan: RepositoryScan = RemoteScanner(fs, path, cache)
+    if gc_days is not None:
+        scan = CollectingScan(scan, cache.root, gc_days)
+    return Repository(location, cache.root, scan, cache)
 
 
 def _filesystem(location: str) -> tuple[AbstractFileSystem, str]:
@@ -152,6 +161,42 @@ class CachedLoader:
     def num_leases(self) -> int:
         with self._lock:
             return len(self._leases)
+
+
+class CollectingScan:
+    """A scan that then removes the cached copies its result no longer serves, and those unused
+    for `unused_days`, at most once per GC_INTERVAL_S (the first scan included)."""
+
+    def __init__(self, scan: RepositoryScan, root: Path, unused_days: float) -> None:
+        self.scan = scan
+        self.root = root
+        self.unused_days = unused_days
+        self._next = 0.0
+
+    def __call__(self, warn: Warn) -> dict[str, ModelEntry]:
+        entries = self.scan(warn)
+        if time.monotonic() >= self._next:
+            self._next = time.monotonic() + GC_INTERVAL_S
+            report = collect_garbage(
+                self.root, served_versions(entries), unused_days=self.unused_days
+            )
+            for item in report.removed:
+                logger.info(
+                    "repository cache: removed %s (%s), %d bytes",
+                    item.label,
+                    item.reason,
+                    item.size,
+                )
+        return entries
+
+
+def served_versions(entries: dict[str, ModelEntry]) -> ServedCopies:
+    """(model, version) -> the signature of the copy a scan's result serves."""
+    return {
+        (name, version): vdir.fingerprint
+        for name, entry in entries.items()
+        for version, vdir in entry.versions.items()
+    }
 
 
 class RemoteScanner:
