@@ -149,7 +149,9 @@ class Progress:
         fields: dict[str, Any] = {"task": self.what, "elapsed_s": round(elapsed, 1)}
         if self.total:
             share = min(self.count / self.total, 1.0)
-            fields.update(done=round(self.count, 3), total=round(self.total, 3), share=round(share, 3))
+            fields.update(
+                done=round(self.count, 3), total=round(self.total, 3), share=round(share, 3)
+            )
             amount = f"{_fmt(self.count)}/{_fmt(self.total)} {self.unit}".rstrip()
             text = f"{self.what}: {share:.0%} ({amount}) in {elapsed:.1f} s"
         else:
