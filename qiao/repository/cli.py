@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,9 +25,13 @@ from qiao.repository.remote import open_repository, served_versions
 
 
 def default_cache_dir() -> Path:
-    """Where `qiao serve` keeps copies unless --repository-cache-dir or --data-dir say
-    otherwise: <data dir>/repository-cache."""
-    return default_data_dir() / CACHE_DIR_NAME
+    """Where `qiao serve` keeps its copies: QIAO_REPOSITORY_CACHE_DIR, else
+    <QIAO_DATA_DIR or the default data dir>/repository-cache (the server reads the same
+    variables)."""
+    if os.environ.get("QIAO_REPOSITORY_CACHE_DIR"):
+        return Path(os.environ["QIAO_REPOSITORY_CACHE_DIR"])
+    data_dir = os.environ.get("QIAO_DATA_DIR")
+    return (Path(data_dir) if data_dir else default_data_dir()) / CACHE_DIR_NAME
 
 
 def add_repository_command(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +63,8 @@ def add_repository_command(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="DIR",
         help="the cache folder: the server's --repository-cache-dir (default: "
-        "<data dir>/repository-cache, the server's default)",
+        "QIAO_REPOSITORY_CACHE_DIR, else <QIAO_DATA_DIR or the default data dir>/repository-cache, "
+        "as the server chooses it)",
     )
     gc.add_argument(
         "--unused-days",
