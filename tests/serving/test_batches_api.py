@@ -396,7 +396,8 @@ def test_bench_serve_with_batch_compares_alone_and_beside(server: SubprocessServ
         num_prompts=6,
         input_len=LengthSpec(4, 8),
         output_len=LengthSpec(8, 8),
-        with_batch=400,
+        # Enough lines that the batch outlasts the ladder even on a loaded machine.
+        with_batch=3000,
         show_progress=False,
     )
     report = run_serve(cfg)
@@ -405,7 +406,7 @@ def test_bench_serve_with_batch_compares_alone_and_beside(server: SubprocessServ
     assert [r["num_completed"] for r in beside["rates"]] == [6, 6]
     batch = beside["batch"]
     assert (
-        batch["total_lines"] == 400
+        batch["total_lines"] == 3000
         and batch["ran_throughout"]
         and batch["status_after"] == ("in_progress")
     )
@@ -418,4 +419,4 @@ def test_bench_serve_with_batch_compares_alone_and_beside(server: SubprocessServ
     done = _finish(client, batch["id"])
     assert done.status == "cancelled"  # the bench left the server as it found it
     text = format_serve(report)
-    assert f"beside batch {batch['id']} (400 lines)" in text and "SLO rate:" in text
+    assert f"beside batch {batch['id']} (3000 lines)" in text and "SLO rate:" in text
