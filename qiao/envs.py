@@ -46,6 +46,12 @@ def kv_prefault() -> bool:
     return os.environ.get("QIAO_KV_PREFAULT", "1") not in ("", "0", "false")
 
 
+def warm_row_buckets() -> bool:
+    """QIAO_WARM_ROW_BUCKETS=0: build oneDNN's matmul primitives as step sizes first appear,
+    instead of all of them (one per row bucket and weight shape) when the engine starts."""
+    return os.environ.get("QIAO_WARM_ROW_BUCKETS", "1") not in ("", "0", "false")
+
+
 def kernel_build_timeout() -> float:
     """QIAO_KERNEL_BUILD_TIMEOUT: seconds a start waits for another process's C++ kernel build
     (its lock) before giving up with an error naming the lock (default 900)."""

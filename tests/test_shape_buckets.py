@@ -164,3 +164,51 @@ def test_demo_model_generates_the_same_tokens_with_and_without_buckets(monkeypat
     monkeypatch.setattr(linear_method, "ROW_BUCKETS", True)
     bucketed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert bucketed == exact
+
+
+def test_bucket_sizes_cover_every_row_count():
+    sizes = linear_method.bucket_sizes(2048)
+    assert len(sizes) == 72 and sizes[:16] == list(range(1, 17)) and sizes[-1] == 2048
+    assert {row_bucket(m) for m in range(1, 2049)} == set(sizes)
+
+
+_PROBE = """
+import random, sys
+from qiao import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", max_num_batched_tokens=256, num_threads=1)
+if sys.argv[2] == "warm":
+    llm.engine.warm_row_buckets()
+print("=== LOAD ===", flush=True)
+rng = random.Random(0)
+prompts = [[rng.randrange(100, 1000) for _ in range(rng.randrange(1, 120))] for _ in range(40)]
+llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+print("=== END ===", flush=True)
+"""
+
+
+def _primitives_built_under_load(warm: str) -> int:
+    """oneDNN's own count (ONEDNN_VERBOSE) of matmul primitives it had to build while 40
+    prompts of 1-119 tokens ran, after the engine was built (and warmed, or not)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(DEMO_DIR), warm],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    under_load = out.split("=== LOAD ===", 1)[1].split("=== END ===", 1)[0]
+    return sum("create:cache_miss" in line for line in under_load.splitlines())
+
+
+@needs_onednn_bf16
+def test_warmed_engine_builds_no_matmul_primitive_under_load():
+    """`warm_row_buckets` (the server's engine processes call it) builds every primitive up
+    front, so memory stays flat under load; without it new step sizes keep building them."""
+    assert _primitives_built_under_load("cold") > 0
+    assert _primitives_built_under_load("warm") == 0

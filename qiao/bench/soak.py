@@ -4,7 +4,8 @@ Closed-loop workers send a mix of requests for `duration` seconds: completions, 
 read to the end, streams dropped after their first chunk (a client that goes away), and
 embeddings when the server has an embedding model. Every `sample_interval` seconds the server's
 `/metrics` are read: the API process's resident memory (`process_resident_memory_bytes`), each
-engine process's (`qiao:engine_resident_memory_bytes`, summed) and the load gauges.
+engine process's (`qiao:engine_resident_memory_bytes`, summed, and each process on its own) and
+the load gauges.
 
 The verdict: after a warm-up (caches filling, pools faulting in), a least-squares line through
 each memory series; a slope above `max_slope` MiB per minute is a leak. A leak makes the command
@@ -184,13 +185,25 @@ async def _sample(client: httpx.AsyncClient, elapsed: float) -> dict[str, float]
             key = wanted.get(s.name)
             if key is not None:
                 sample[key] = sample.get(key, 0.0) + s.value
+            if key == "engine_rss_bytes":
+                # Each engine process on its own too: one that grows shows, whatever the rest do.
+                name = f"engine_rss_bytes[{s.labels.get('model_name')}@{s.labels.get('version')}]"
+                sample[name] = sample.get(name, 0.0) + s.value
     return sample
+
+
+def memory_keys(samples: list[dict[str, float]]) -> list[str]:
+    """The memory series the samples hold: the API process, the engines summed, and each
+    engine process (`engine_rss_bytes[model@version]`)."""
+    keys = [k for k in MEMORY_SERIES if any(k in s for s in samples)]
+    per_engine = sorted({k for s in samples for k in s if k.startswith("engine_rss_bytes[")})
+    return keys + per_engine
 
 
 def _judge(report: SoakReport, cfg: SoakConfig) -> None:
     kept = [s for s in report.samples if s["t"] >= cfg.warmup * cfg.duration]
     leaks = []
-    for series in MEMORY_SERIES:
+    for series in memory_keys(kept):
         points = [(s["t"], s[series]) for s in kept if series in s]
         if len(points) < 3:
             continue
@@ -232,7 +245,7 @@ def format_soak(report: SoakReport) -> str:
     for kind, counts in report.requests.items():
         lines.append(f"  {kind:<11} " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     first, last = report.samples[0], report.samples[-1]
-    for series in MEMORY_SERIES:
+    for series in memory_keys(report.samples):
         if series in first and series in last:
             lines.append(
                 f"  {series}: {first[series] / 2**20:.1f} -> {last[series] / 2**20:.1f} MiB, "

@@ -198,6 +198,7 @@ def main(argv: list[str]) -> int:
             torch.set_num_threads(settings["num_threads"])
         config = EngineConfig.from_dict(settings["config"])
         engine = LLMEngine(config, detokenize=settings.get("detokenize", True))
+        engine.warm_row_buckets()  # a long-lived engine: its matmul memory paid now, then flat
         hook = envs.engine_hook()
         if hook is not None:
             module_name, _, function = hook.partition(":")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from qiao import envs
 from qiao.config import EngineConfig
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.output_processor import OutputProcessor
@@ -24,6 +25,7 @@ from qiao.engine.scheduler import Scheduler
 from qiao.errors import ConfigError, QiaoError, RequestFailedError, RequestTooLargeError
 from qiao.hal.platform import default_device, resolve_dtype
 from qiao.kernels import cpu_ops
+from qiao.layers.linear_method import warm_row_buckets
 from qiao.models.arch_config import load_arch_config
 from qiao.outputs import RequestOutput
 from qiao.runner.grammar import GrammarCompiler
@@ -102,6 +104,27 @@ class LLMEngine:
         # Prompts that made a step fail: key -> refused until (time.monotonic()).
         self._refused_prompts: dict[bytes, float] = {}
         self._grammars: GrammarCompiler | None = None
+
+    def warm_row_buckets(self) -> None:
+        """Every oneDNN matmul primitive the steps will use, built now (`warm_row_buckets`):
+        the memory they hold is paid at start and flat under load. The server's engine
+        processes call it (a long-lived engine); `QIAO_WARM_ROW_BUCKETS=0` skips it."""
+        config = self.config
+        if self.runner.device.type != "cpu" or self.runner.tp is not None:
+            return
+        if not envs.warm_row_buckets():
+            return
+        started = time.monotonic()
+        runs = warm_row_buckets(
+            self.runner.model,
+            self.runner.dtype,
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+        )
+        if runs:
+            logger.info(
+                "matmul row buckets warmed: %d matmuls in %.2f s", runs, time.monotonic() - started
+            )
 
     def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model

@@ -324,3 +324,50 @@ def _replace_weight(layer: LinearBase, weight: torch.Tensor) -> None:
     """Swap the loaded parameter for the method's storage (a tied weight stays with its owner)."""
     del layer.weight
     layer.register_buffer("weight", weight, persistent=False)
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Every row count `row_bucket` gives for 1..max_rows (72 sizes up to 2048)."""
+    return sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
+
+
+def warm_row_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, max_rows: int, head_rows: int
+) -> int:
+    """Run every oneDNN-backed linear shape of `model` once at each row bucket up to `max_rows`
+    (the head, `lm_head`, up to `head_rows`: one row per sequence), so oneDNN builds every
+    matmul primitive the engine will ever use now. Its memory is then paid at start, a known
+    amount, and stays flat under load instead of stepping up as rare step sizes first appear
+    (docs/operations.md, the soak). Returns the matmuls run (0 where nothing is bucketed).
+    One layer per distinct weight shape is enough: the primitive cache is keyed by shapes."""
+    if not ROW_BUCKETS:
+        return 0
+    seen: set[tuple] = set()
+    runs = 0
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            method = getattr(module, "method", None)
+            if not isinstance(method, LinearMethod) or method.tile is not None:
+                continue
+            weight = module.weight
+            if weight.device.type != "cpu" or not _buckets_rows(method, module, dtype):
+                continue
+            is_head = name.endswith("lm_head")
+            key = (type(method), tuple(weight.shape), weight.dtype, module.input_size, is_head)
+            if key in seen:
+                continue
+            seen.add(key)
+            smallest = INT8_KERNEL_MAX_ROWS + 1 if isinstance(method, Int8Method) else 1
+            for rows in bucket_sizes(head_rows if is_head else max_rows):
+                if rows >= smallest:
+                    method.apply(module, torch.zeros(rows, module.input_size, dtype=dtype))
+                    runs += 1
+    return runs
+
+
+def _buckets_rows(method: LinearMethod, layer: LinearBase, dtype: torch.dtype) -> bool:
+    if isinstance(method, OneDnnMethod):
+        return True
+    if isinstance(method, Int8Method):
+        return layer.weight_bf16 is not None
+    return type(method) is LinearMethod and dtype == torch.bfloat16
