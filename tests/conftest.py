@@ -13,7 +13,7 @@ import torch
 
 from qiao.attention.metadata import AttentionMetadata
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "phi4mini")
 TINY_VOCAB_SIZE = 320
 STORIES_DIR = (Path(__file__).parents[1] / "../shared/models/stories260K-hf").resolve()
 
@@ -117,7 +117,34 @@ def _hf_config(arch_name: str, bos_token_id: int, eos_token_id: int):
         return transformers.Qwen2Config(**common)
     if arch_name == "qwen3":
         return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
+    if arch_name in ("phi3", "phi4mini"):
+        return _phi3_config(arch_name, common)
     raise ValueError(f"unknown tiny arch {arch_name!r}; known: {ARCHS}")
+
+
+# Phi-4-mini-like LongRoPE: the short factors below position 32, the long ones from there on.
+PHI4MINI_ORIGINAL_MAX_POSITIONS = 32
+
+
+def _phi3_config(arch_name: str, common: dict):
+    """Phi-3 (fused qkv / gate_up in the checkpoint, a sliding window as Phi-3-mini-4k's 2047)
+    or Phi-4-mini (partial rotary 0.75, LongRoPE, tied embeddings). Phi-3 has no head_dim key:
+    hidden 128 over 4 heads gives head_dim 32 (the vectorised CPU attention kernel)."""
+    import transformers
+
+    phi3 = {**common, "hidden_size": 128, "pad_token_id": None}
+    if arch_name == "phi3":
+        return transformers.Phi3Config(**phi3, sliding_window=40)
+    # rotary_dim 24: 12 factors each, short ones near 1, long ones growing to 40.
+    short_factor = [1.0 + 0.05 * i for i in range(12)]
+    long_factor = [1.0 + 39.0 * (i / 11) ** 2 for i in range(12)]
+    longrope = dict(rope_type="longrope", short_factor=short_factor, long_factor=long_factor)
+    return transformers.Phi3Config(
+        **{**phi3, "tie_word_embeddings": True},
+        partial_rotary_factor=0.75,
+        rope_scaling=longrope,
+        original_max_position_embeddings=PHI4MINI_ORIGINAL_MAX_POSITIONS,
+    )
 
 
 @torch.no_grad()

@@ -77,14 +77,26 @@ def arch_dir(request, tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_logits(arch_dir):
-    """hf_logits(tokens) -> [len, vocab] logits of transformers on one whole sequence."""
+    """hf_logits(tokens) -> [len, vocab] logits of transformers on one whole sequence.
+
+    LongRoPE (phi4mini): transformers picks short or long factors per forward, qiao per position
+    (qiao/layers/rotary.py), so the sequence goes in as transformers' `generate` would see it:
+    the positions below original_max_position_embeddings in one forward (short factors), the
+    rest in a second one over its KV cache (long factors)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         arch_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    scaling = load_arch_config(arch_dir).rope_scaling or {}
+    is_longrope = scaling.get("rope_type") == "longrope"
+    split = scaling["original_max_position_embeddings"] if is_longrope else None
 
     @torch.inference_mode()
     def logits(tokens: list[int]) -> torch.Tensor:
-        return model(torch.tensor([tokens])).logits[0].float()
+        if split is None or len(tokens) <= split:
+            return model(torch.tensor([tokens])).logits[0].float()
+        first = model(torch.tensor([tokens[:split]]), use_cache=True)
+        rest = model(torch.tensor([tokens[split:]]), past_key_values=first.past_key_values)
+        return torch.cat((first.logits[0], rest.logits[0])).float()
 
     return logits
 

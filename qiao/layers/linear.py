@@ -5,7 +5,9 @@ slice of the output features, row-parallel ones its slice of the input features 
 their outputs. With one rank every slice is the whole matrix and the all-reduce is the identity.
 
 Loading convention: `module.weight_loader(param, loaded_weight, shard_id)` copies one whole
-checkpoint tensor's slice for this rank into `param`; fused layers place it by `shard_id`. Once every tensor is in,
+checkpoint tensor's slice for this rank into `param`; fused layers place it by `shard_id`, and
+given shard id None take a checkpoint tensor of all their parts stacked (Phi-3's `qkv_proj`,
+`gate_up_proj`), loaded part by part so each rank keeps its slice of each. Once every tensor is in,
 `prepare_linears` gives each layer its `LinearMethod` (qiao/layers/linear_method.py), which may
 replace the weight with a packed or int8 copy.
 """
@@ -18,7 +20,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
+from qiao.distributed.parallel_state import all_reduce, divide, tp_rank, tp_size
 from qiao.errors import ModelLoadError
 from qiao.layers.linear_method import DenseMethod, LinearMethod, choose_method
 
@@ -105,6 +107,25 @@ class RowParallelLinear(LinearBase):
         return all_reduce(self.method.apply(self, x))
 
 
+def load_stacked(
+    layer: LinearBase, param: torch.Tensor, loaded_weight: torch.Tensor, parts: list[tuple]
+) -> None:
+    """Load a checkpoint tensor that stacks a fused layer's parts along dim 0, `parts` being
+    (shard id, rows of this rank) of each in order: every part is a whole tensor of
+    rows * tp_size rows, loaded by its shard id.
+
+    E.g. Phi-3's qkv_proj [(H + 2 Hkv) D, hidden] -> q [H D], k [Hkv D], v [Hkv D].
+    """
+    sizes = [rows * tp_size() for _, rows in parts]
+    if loaded_weight.shape[0] != sum(sizes):
+        raise ModelLoadError(
+            f"stacked shape {tuple(loaded_weight.shape)} in the checkpoint, {sum(sizes)} rows "
+            f"expected ({' + '.join(map(str, sizes))})"
+        )
+    for (shard_id, _), part in zip(parts, loaded_weight.split(sizes), strict=True):
+        layer.weight_loader(param, part, shard_id)
+
+
 class MergedLinear(ColumnParallelLinear):
     """Several projections of one input stacked along the output: shard i is `output_sizes[i]`
     (this rank's slice of each, stacked).
@@ -119,6 +140,9 @@ class MergedLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if shard_id is None:
+            parts = list(enumerate(self.output_sizes))
+            return load_stacked(self, param, loaded_weight, parts)
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ModelLoadError(f"shard id {shard_id!r} of a {len(self.output_sizes)}-way merge")
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
@@ -142,6 +166,9 @@ class QKVLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if shard_id is None:
+            parts = [(shard, rows) for shard, (_, rows) in self.shards.items()]
+            return load_stacked(self, param, loaded_weight, parts)
         if shard_id not in self.shards:
             raise ModelLoadError(f"shard id {shard_id!r} of qkv; expected 'q', 'k' or 'v'")
         offset, size = self.shards[shard_id]

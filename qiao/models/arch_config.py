@@ -21,6 +21,7 @@ _ARCH_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -39,13 +40,16 @@ class ArchConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    # None for plain RoPE; else a dict with "rope_type" ("linear", "llama3") and its parameters.
+    # None for plain RoPE; else a dict with "rope_type" ("linear", "llama3", "longrope") and its
+    # parameters (LongRoPE's `original_max_position_embeddings` and `factor` filled in).
     rope_scaling: dict | None
+    rotary_dim: int  # leading dims of each head that RoPE rotates (partial: Phi-4-mini)
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v (and o, except for Qwen2)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     sliding_window: int | None  # applies to every layer when set
+    fused_checkpoint: bool  # the checkpoint holds qkv_proj and gate_up_proj fused (Phi-3)
     hidden_act: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -62,14 +66,20 @@ class ArchConfig:
             raise ConfigError(f"hidden_act: unsupported value {self.hidden_act!r}; supported: silu")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window: must be >= 1, got {self.sliding_window}")
-        validate_rope_scaling(self.rope_scaling)
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(
+                f"partial_rotary_factor: rotary dimension {self.rotary_dim} must be even and "
+                f"in (0, head_dim {self.head_dim}]"
+            )
+        validate_rope_scaling(self.rope_scaling, self.rotary_dim)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ArchConfig:
         """Build from a parsed config.json."""
         architecture = _architecture(d)
         num_heads = _required(d, "num_attention_heads")
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = _rope(d, architecture)
+        head_dim = d.get("head_dim") or _required(d, "hidden_size") // num_heads
         eos = d.get("eos_token_id")
         return cls(
             architecture=architecture,
@@ -80,17 +90,19 @@ class ArchConfig:
             num_hidden_layers=_required(d, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or _required(d, "hidden_size") // num_heads,
+            head_dim=head_dim,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            rotary_dim=int(head_dim * _partial_rotary_factor(d)),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             # Qwen2 always biases q/k/v; its config.json does not say so.
             attention_bias=architecture == "Qwen2ForCausalLM" or d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(d, architecture),
+            fused_checkpoint=architecture == "Phi3ForCausalLM",
             hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
@@ -144,27 +156,57 @@ def _check_architecture(architecture: str) -> None:
         )
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, dict | None]:
+def _rope(d: dict[str, Any], architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) with rope_scaling normalised to carry "rope_type"."""
     params = d.get("rope_parameters")
     if isinstance(params, dict):
         theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING}
     else:
         theta = d.get("rope_theta", _DEFAULT_ROPE_THETA)
-        scaling = dict(d.get("rope_scaling") or {})
+        scaling = {k: v for k, v in (d.get("rope_scaling") or {}).items() if k not in _NOT_SCALING}
     if "type" in scaling:
         scaling.setdefault("rope_type", scaling.pop("type"))
+    # Phi-3's first long-context configs said "su" (and transformers reads "yarn" there alike).
+    if architecture == "Phi3ForCausalLM" and scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
     if scaling.get("rope_type", "default") == "default":
         return float(theta), None
+    if scaling["rope_type"] == "longrope":
+        _fill_longrope(scaling, d)
     return float(theta), scaling
 
 
+# Keys of `rope_parameters` that are not the scaling's: read on their own.
+_NOT_SCALING = ("rope_theta", "partial_rotary_factor")
+
+
+def _fill_longrope(scaling: dict[str, Any], d: dict[str, Any]) -> None:
+    """LongRoPE as transformers reads it: a top-level `original_max_position_embeddings` wins
+    (Phi-3 keeps it there); `factor` defaults to max_position_embeddings over it."""
+    original = d.get("original_max_position_embeddings") or scaling.get(
+        "original_max_position_embeddings"
+    )
+    max_positions = d.get("max_position_embeddings", 2048)
+    scaling["original_max_position_embeddings"] = original or max_positions
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+
+
+def _partial_rotary_factor(d: dict[str, Any]) -> float:
+    """The share of each head RoPE rotates: top-level (transformers 4) or in rope_parameters."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return float(d.get("partial_rotary_factor") or 1.0)
+
+
 def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
-    """Mistral slides whenever `sliding_window` is set; Qwen2/3 only with `use_sliding_window`,
-    and then only on layers from `max_window_layers` on. qiao supports all or none."""
+    """Mistral and Phi-3 slide whenever `sliding_window` is set; Qwen2/3 only with
+    `use_sliding_window`, and then only on layers from `max_window_layers` on. qiao supports all
+    or none."""
     window = d.get("sliding_window")
-    if architecture == "MistralForCausalLM" or window is None:
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") or window is None:
         return window
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None

@@ -1,8 +1,10 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 as constructor flags of one model.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and Phi-3 as constructor flags of one model.
 
 Variants: q/k/v bias (Qwen2; also o_proj for Llama's `attention_bias`), per-head q/k RMSNorm
-before RoPE (Qwen3), tied embeddings, a sliding window (Mistral), scaled RoPE (Llama 3.1).
-Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (`_PACKED`).
+before RoPE (Qwen3), tied embeddings, a sliding window (Mistral, Phi-3), scaled RoPE (Llama 3.1,
+LongRoPE for Phi-3 / Phi-4-mini), partial rotary (Phi-4-mini).
+Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (`_PACKED`); Phi-3
+checkpoints hold them fused already (`fused_checkpoint`), under the same names.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(arch.rotary_dim, arch.rope_theta, arch.rope_scaling)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -203,11 +205,12 @@ class LlamaForCausalLM(nn.Module):
     def expected_weight_names(self) -> set[str]:
         """The checkpoint tensor names `load_weights` needs to fill every parameter."""
         names = set()
+        packed = {} if self.arch.fused_checkpoint else _PACKED
         for param_name, _ in self.named_parameters():
             module_path, _, leaf = param_name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
             prefix = f"{parent}." if parent else ""
-            parts = _PACKED.get(module, ((module, None),))
+            parts = packed.get(module, ((module, None),))
             names.update(f"{prefix}{part}.{leaf}" for part, _ in parts)
         return names
 
@@ -216,7 +219,8 @@ def _param_name(name: str) -> tuple[str, str | int | None]:
     """Checkpoint name -> (parameter name, shard id).
 
     E.g. "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight",
-    "k"); names outside fused modules map to themselves with shard id None.
+    "k"); other names map to themselves with shard id None, a fused checkpoint's
+    "...qkv_proj.weight" too (the fused layer splits it).
     """
     module_path, _, leaf = name.rpartition(".")
     parent, _, module = module_path.rpartition(".")

@@ -10,12 +10,13 @@ from torch import nn
 if TYPE_CHECKING:
     from qiao.models.arch_config import ArchConfig
 
-# architecture -> (module, class). Mistral and Qwen2/3 are Llama with constructor flags.
+# architecture -> (module, class). Mistral, Qwen2/3 and Phi-3 are Llama with constructor flags.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
 }
 
 
