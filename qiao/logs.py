@@ -109,6 +109,9 @@ def configure_logging(level: str, process: str, fmt: LogFormat | None = None) ->
     handler._qiao = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # A client's line per HTTP request (the benchmarks send thousands) only at debug level.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
 class Progress:
