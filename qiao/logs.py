@@ -111,7 +111,9 @@ def configure_logging(level: str, process: str, fmt: LogFormat | None = None) ->
     root.setLevel(level.upper())
     # A client's line per HTTP request (the benchmarks send thousands) only at debug level.
     for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+        logging.getLogger(noisy).setLevel(
+            logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
+        )
 
 
 class Progress:
