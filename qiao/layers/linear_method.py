@@ -146,6 +146,13 @@ class LinearMethod:
             return tiled_matmul(matmul, x, self.tile)
         return bucketed_matmul(matmul, x)
 
+    def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
+        """The fewest rows whose matmul `apply` runs on a row bucket for inputs of `dtype`, or
+        None when it buckets none (`warm_row_buckets`)."""
+        if self.tile is None and dtype == torch.bfloat16 and layer.weight.device.type == "cpu":
+            return 1
+        return None
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.tile is not None):
             # The CPU's bfloat16 F.linear is a oneDNN matmul too (see row_bucket).
@@ -167,6 +174,9 @@ class OneDnnMethod(LinearMethod):
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), self.batch_hint)
         _replace_weight(layer, packed)
 
+    def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
+        return 1 if self.tile is None else None
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return self.rows_matmul(
             lambda rows: torch.ops.mkldnn._linear_pointwise(
@@ -185,6 +195,9 @@ class PackedF32Method(LinearMethod):
 
     def prepare(self, layer: LinearBase) -> None:
         _replace_weight(layer, self.ops.pack_linear_f32(layer.weight.detach().contiguous()))
+
+    def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
+        return None  # qiao's own kernel: no primitive per shape
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -211,6 +224,12 @@ class Int8Method(LinearMethod):
                 qweight.to(torch.bfloat16), self.batch_hint
             )
         layer.register_buffer("weight_bf16", packed, persistent=False)
+
+    def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
+        # Up to INT8_KERNEL_MAX_ROWS rows go to the int8 kernel, more to the bfloat16 matmul.
+        if self.tile is None and layer.weight_bf16 is not None:
+            return INT8_KERNEL_MAX_ROWS + 1
+        return None
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -347,27 +366,19 @@ def warm_row_buckets(
     with torch.inference_mode():
         for name, module in model.named_modules():
             method = getattr(module, "method", None)
-            if not isinstance(method, LinearMethod) or method.tile is not None:
+            if not isinstance(method, LinearMethod):
+                continue
+            smallest = method.bucketed_from(module, dtype)
+            if smallest is None:
                 continue
             weight = module.weight
-            if weight.device.type != "cpu" or not _buckets_rows(method, module, dtype):
-                continue
             is_head = name.endswith("lm_head")
             key = (type(method), tuple(weight.shape), weight.dtype, module.input_size, is_head)
             if key in seen:
                 continue
             seen.add(key)
-            smallest = INT8_KERNEL_MAX_ROWS + 1 if isinstance(method, Int8Method) else 1
             for rows in bucket_sizes(head_rows if is_head else max_rows):
                 if rows >= smallest:
                     method.apply(module, torch.zeros(rows, module.input_size, dtype=dtype))
                     runs += 1
     return runs
-
-
-def _buckets_rows(method: LinearMethod, layer: LinearBase, dtype: torch.dtype) -> bool:
-    if isinstance(method, OneDnnMethod):
-        return True
-    if isinstance(method, Int8Method):
-        return layer.weight_bf16 is not None
-    return type(method) is LinearMethod and dtype == torch.bfloat16
