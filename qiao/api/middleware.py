@@ -224,7 +224,9 @@ class RequestIdMiddleware:
         scope: Scope, state: dict[str, Any], status: int, seconds: float, notes: dict[str, Any]
     ) -> None:
         path = scope["path"]
-        quiet = path in PUBLIC_PATHS or path == "/metrics"
+        level = logging.DEBUG if path in PUBLIC_PATHS or path == "/metrics" else logging.INFO
+        if not access_logger.isEnabledFor(level):
+            return  # probes and scrapes, every few seconds: no line, so nothing to build
         client = scope.get("client")
         route = getattr(scope.get("route"), "path", None)
         key = state.get("api_key")
@@ -242,7 +244,7 @@ class RequestIdMiddleware:
             f" {name}={fields[name]}" for name in ("route", "tokens", "key") if fields[name]
         )
         access_logger.log(
-            logging.DEBUG if quiet else logging.INFO,
+            level,
             '%s "%s %s" %s %.1f ms%s request_id=%s',
             fields["client"] or "-",
             scope["method"],

@@ -13,7 +13,7 @@ import pytest
 
 from qiao.version import __version__
 
-from .conftest import MODEL_NAME, InProcessServer, openai_client
+from .conftest import MODEL_NAME, InProcessServer, openai_client, wait_until
 
 KEY = "sk-conventions-0123456789"
 
@@ -63,6 +63,15 @@ def test_request_id_is_echoed_or_made_and_logged(
         spaced = client.get("/v1/models", headers={"X-Request-Id": "has space"})
         too_long = client.get("/v1/models", headers={"X-Request-Id": "x" * 129})
         error = client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+        # The access line is written once the answer is sent: the last may still be on its way.
+        wait_until(
+            lambda: any(
+                r.name == "qiao.access" and error.headers["x-request-id"] in r.getMessage()
+                for r in caplog.records
+            ),
+            10.0,
+            "the access line of the last request",
+        )
     assert given.status_code == 200 and given.headers["x-request-id"] == "trace-42"
     generated = made.headers["x-request-id"]
     assert len(generated) == 32 and generated != "trace-42"
