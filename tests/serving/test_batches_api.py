@@ -240,11 +240,12 @@ def _online_ttft(base_url: str, count: int) -> list[float]:
     return times
 
 
-def test_online_requests_keep_their_latency_beside_a_batch(server: SubprocessServer) -> None:
-    """Batch lines yield to online requests: with a batch of 500 lines running, the online p50
-    time to first token stays near its figure without it (loosely: within 2x plus 20 ms, side
-    by side in this test; a request waits for at most the step in flight), while the batch keeps
-    moving."""
+def test_online_requests_are_served_beside_a_running_batch(server: SubprocessServer) -> None:
+    """Online requests sent while a batch of 500 lines runs are all answered while the batch is
+    still in progress, and the batch keeps moving meanwhile. How much latency they keep is a
+    speed, measured by `qiao bench serve --with-batch` (docs/batch.md), not asserted here; the
+    scheduler's yielding to online requests is checked step by step in
+    tests/test_scheduler.py::test_background_requests_use_spare_capacity_and_yield_to_online_ones."""
     client = openai_client(server.base_url)
     _online_ttft(server.base_url, 3)  # warm-up
     alone = statistics.median(_online_ttft(server.base_url, 20))
@@ -266,7 +267,6 @@ def test_online_requests_keep_their_latency_beside_a_batch(server: SubprocessSer
     print(f"online p50 TTFT: {alone * 1e3:.1f} ms alone, {beside * 1e3:.1f} ms beside the batch")
     assert after.status == "in_progress", "the batch ended before the online requests did"
     assert after.request_counts.completed > before  # it used the spare capacity
-    assert beside <= 2 * alone + 0.020
     assert _finish(client, batch.id).status == "cancelled"
 
 
