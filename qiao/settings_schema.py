@@ -108,7 +108,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting("model", "Hugging Face checkpoint directory", metavar="PATH"),
     Setting(
         "dtype",
-        "weight and activation dtype (auto: the checkpoint's)",
+        "weight and activation dtype (auto: the checkpoint's; on the CPU a half-precision "
+        "checkpoint runs in bfloat16 where the CPU has AMX or AVX-512 BF16, else float32)",
         default="auto",
         choices=DTYPE_CHOICES,
     ),

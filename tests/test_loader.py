@@ -140,9 +140,23 @@ def test_bad_dtype_and_load_format_are_named(tiny_checkpoint):
     with pytest.raises(ConfigError, match=r"dtype.*'float8'.*bfloat16"):
         resolve_dtype("float8", None)
     assert resolve_dtype("auto", None) is torch.float32
-    assert resolve_dtype("auto", "bfloat16") is torch.bfloat16
     with pytest.raises(ConfigError, match=r"load_format.*'pickle'"):
         _load(tiny_checkpoint("llama"), load_format="pickle")
+
+
+def test_auto_dtype_takes_the_cpus_fast_path_for_half_precision_checkpoints():
+    """On the CPU a bfloat16 or float16 checkpoint runs in bfloat16 where the CPU multiplies it
+    natively (torch's own CPU feature probe says so), else in float32; float32 stays float32;
+    on CUDA the checkpoint's dtype is kept."""
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    fast_half = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cpu") is fast_half
+    assert resolve_dtype("auto", "torch.float16", "cpu") is fast_half
+    assert resolve_dtype("auto", "float32", "cpu") is torch.float32
+    assert resolve_dtype("auto", "float16", "cuda") is torch.float16
+    assert resolve_dtype("auto", "bfloat16", "cuda") is torch.bfloat16
+    # An explicit dtype is never changed.
+    assert resolve_dtype("float16", "bfloat16", "cpu") is torch.float16
 
 
 BASE = {

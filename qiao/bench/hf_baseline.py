@@ -44,7 +44,7 @@ def build_with_hf_twin(path: Path, args: EngineArgs) -> tuple[LLM, Any]:
         # The HF side runs and is timed on the CPU (no device syncs in its timing).
         raise ConfigError("--compare hf needs --device cpu")
     dtype = resolve_dtype(
-        args.dtype, getattr(config, "torch_dtype", None) and str(config.torch_dtype)
+        args.dtype, getattr(config, "torch_dtype", None) and str(config.torch_dtype), "cpu"
     )
     # Cast after building: the dtype keyword of from_config differs across transformers versions.
     hf = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()

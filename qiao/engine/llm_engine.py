@@ -128,7 +128,7 @@ class LLMEngine:
 
     def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model
-        dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype)
+        dtype = resolve_dtype(mc.dtype, self.arch.torch_dtype, device.type)
         kv_dtype = config.cache.kv_cache_dtype
         return ModelRunner(
             self.arch,
