@@ -13,7 +13,7 @@ import torch
 
 from qiao.attention.metadata import AttentionMetadata
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "phi4mini")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "phi4mini", "qwen2moe", "qwen3moe")
 TINY_VOCAB_SIZE = 320
 STORIES_DIR = (Path(__file__).parents[1] / "../shared/models/stories260K-hf").resolve()
 
@@ -119,6 +119,8 @@ def _hf_config(arch_name: str, bos_token_id: int, eos_token_id: int):
         return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
     if arch_name in ("phi3", "phi4mini"):
         return _phi3_config(arch_name, common)
+    if arch_name in ("qwen2moe", "qwen3moe"):
+        return _qwen_moe_config(arch_name, common)
     raise ValueError(f"unknown tiny arch {arch_name!r}; known: {ARCHS}")
 
 
@@ -144,6 +146,26 @@ def _phi3_config(arch_name: str, common: dict):
         partial_rotary_factor=0.75,
         rope_scaling=longrope,
         original_max_position_embeddings=PHI4MINI_ORIGINAL_MAX_POSITIONS,
+    )
+
+
+def _qwen_moe_config(arch_name: str, common: dict):
+    """Qwen2-MoE: 8 experts, 2 per token, a shared expert, layer 1 dense (mlp_only_layers).
+    Qwen3-MoE: 8 experts, 3 per token renormalised (norm_topk_prob), head_dim 32, both layers
+    sparse."""
+    import transformers
+
+    moe = dict(num_experts=8, moe_intermediate_size=32)
+    if arch_name == "qwen2moe":
+        return transformers.Qwen2MoeConfig(
+            **common,
+            **moe,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
+    return transformers.Qwen3MoeConfig(
+        **common, **moe, num_experts_per_tok=3, norm_topk_prob=True, head_dim=32
     )
 
 

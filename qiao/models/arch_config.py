@@ -22,6 +22,8 @@ _ARCH_OF_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -54,6 +56,22 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-MoE)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` has a mixture-of-experts MLP (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
 
     def __post_init__(self) -> None:
         _check_architecture(self.architecture)
@@ -72,6 +90,7 @@ class ArchConfig:
                 f"in (0, head_dim {self.head_dim}]"
             )
         validate_rope_scaling(self.rope_scaling, self.rotary_dim)
+        _check_moe(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ArchConfig:
@@ -97,16 +116,19 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             rotary_dim=int(head_dim * _partial_rotary_factor(d)),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 always biases q/k/v; its config.json does not say so.
-            attention_bias=architecture == "Qwen2ForCausalLM" or d.get("attention_bias", False),
+            # Qwen2 always biases q/k/v; its config.json does not say so. Qwen2-MoE: `qkv_bias`.
+            attention_bias=architecture == "Qwen2ForCausalLM"
+            or (architecture == "Qwen2MoeForCausalLM" and d.get("qkv_bias", True))
+            or d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(d, architecture),
             fused_checkpoint=architecture == "Phi3ForCausalLM",
             hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **_moe_fields(d, architecture),
         )
 
 
@@ -199,6 +221,49 @@ def _partial_rotary_factor(d: dict[str, Any]) -> float:
     if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
         return float(params["partial_rotary_factor"])
     return float(d.get("partial_rotary_factor") or 1.0)
+
+
+_MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _moe_fields(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE config.json (none otherwise).
+    transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`."""
+    if architecture not in _MOE_ARCHITECTURES:
+        return {}
+    if d.get("use_sliding_window"):
+        raise ConfigError(
+            f"use_sliding_window: {architecture} with a sliding window is not supported; "
+            "set it to false"
+        )
+    return dict(
+        num_experts=d.get("num_experts") or d.get("num_local_experts") or 0,
+        num_experts_per_tok=_required(d, "num_experts_per_tok"),
+        moe_intermediate_size=_required(d, "moe_intermediate_size"),
+        # Qwen2-MoE always has a shared expert, Qwen3-MoE never.
+        shared_expert_intermediate_size=(
+            _required(d, "shared_expert_intermediate_size")
+            if architecture == "Qwen2MoeForCausalLM"
+            else 0
+        ),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=d.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+    )
+
+
+def _check_moe(arch: ArchConfig) -> None:
+    if arch.num_experts == 0:
+        return
+    if not 0 < arch.num_experts_per_tok <= arch.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok: {arch.num_experts_per_tok} must be in "
+            f"[1, num_experts {arch.num_experts}]"
+        )
+    if arch.moe_intermediate_size < 1:
+        raise ConfigError(f"moe_intermediate_size: must be >= 1, got {arch.moe_intermediate_size}")
+    if arch.decoder_sparse_step < 1:
+        raise ConfigError(f"decoder_sparse_step: must be >= 1, got {arch.decoder_sparse_step}")
 
 
 def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:

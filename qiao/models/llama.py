@@ -52,8 +52,11 @@ class LlamaAttention(nn.Module):
             arch.num_key_value_heads,
             arch.attention_bias,
         )
-        # Qwen2 biases q/k/v but not o.
-        o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
+        # Qwen2 (and Qwen2-MoE) bias q/k/v but not o.
+        o_bias = arch.attention_bias and arch.architecture not in (
+            "Qwen2ForCausalLM",
+            "Qwen2MoeForCausalLM",
+        )
         self.o_proj = RowParallelLinear(
             arch.num_attention_heads * self.head_dim, arch.hidden_size, o_bias
         )

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from qiao.errors import ConfigError, ModelLoadError
+from qiao.layers.fused_moe import prepare_experts
 from qiao.layers.linear import prepare_linears
 from qiao.logs import Progress
 from qiao.models.arch_config import ArchConfig
@@ -65,6 +66,7 @@ def load_model(
     prepare_linears(
         model, quantization=quantization, batch_hint=batch_hint, batch_invariant=batch_invariant
     )
+    prepare_experts(model, quantization=quantization, batch_invariant=batch_invariant)
     return model.eval()
 
 

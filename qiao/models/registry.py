@@ -17,6 +17,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qiao.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qiao.models.qwen_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,253 @@
+"""A mixture-of-experts layer: routing, the experts' stacked weights and the grouped dispatch.
+
+Routing (`select_experts`) is transformers' Qwen2-MoE / Qwen3-MoE router step for step: softmax
+over every expert in float32, top-k of those probabilities, optionally renormalised to sum to 1
+(`norm_topk_prob`), then cast to the activations' dtype.
+
+Dispatch (`fused_moe`): the flat (token, k) assignments are sorted by expert, so each expert's
+tokens form one contiguous segment of a gathered copy of the rows; each non-empty expert runs
+its gate_up and down matmuls on its segment (a loop over experts, never over tokens), the
+outputs are scaled by their routing weights and summed back per token with `index_add_`. A
+token's contributions are added in increasing expert order, as transformers adds them.
+`fused_moe_reference` (every expert on every token, weighted by a dense [T, E] routing matrix)
+is its test oracle.
+
+Weights: gate_up [E, 2 I, H] (gate rows, then up rows) and down [E, H, I], the layout
+transformers 5 keeps in memory. They load from the per-expert checkpoint tensors
+(`experts.{e}.gate_proj.weight`, `.up_proj.`, `.down_proj.`, what the hub's checkpoints and
+transformers 5.25's `save_pretrained` write) or from the stacked ones (`experts.gate_up_proj`,
+`experts.down_proj`). Tensor parallelism shards every expert's intermediate dim as the dense MLP
+does (gate and up by rows, down by columns, as column- and row-parallel layers): each rank runs
+every expert on its slice and the partial sums are all-reduced once, as a row-parallel layer's.
+The router is replicated: every rank routes the same tokens to the same experts.
+
+int8 (`prepare_experts(..., quantization="int8")`): each expert's matrices are quantized per
+output channel as a linear layer's (`quantize_int8`, scales [E, rows]) and multiplied as
+`Int8Method` does: the C++ kernel for few rows, the bfloat16 reference for more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
+from qiao.errors import ConfigError, ModelLoadError
+from qiao.kernels import ops_for
+from qiao.layers.linear import copy_checked
+from qiao.layers.linear_method import (
+    INT8_KERNEL_MAX_ROWS,
+    INVARIANT_TILE,
+    bucketed_matmul,
+    int8_linear_reference,
+    quantize_int8,
+    tiled_matmul,
+)
+
+# (rows [n, K], expert) -> [n, N]: one expert's matrix applied to its segment.
+ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]
+
+QUANTIZATIONS = (None, "int8")
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (routing weights [T, k] in the logits' dtype, expert ids [T, k]).
+
+    The order transformers uses: softmax (float32) -> top-k -> renormalise -> cast.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    gate_up: ExpertMatmul,
+    down: ExpertMatmul,
+) -> torch.Tensor:
+    """hidden [T, H], routing [T, k] -> sum over k of weight * expert(hidden) [T, H].
+
+    `gate_up(rows, e)` gives [n, 2 I] (gate | up), `down(rows, e)` [n, H].
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    # Assignment a = token * k + slot; sorted by expert, stable so tokens keep their order.
+    # E.g. ids [[2, 0], [0, 1]] -> order [1, 2, 3, 0] -> token_of [0, 1, 1, 0], counts [2, 1, 1].
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # the one host sync
+    rows = hidden[token_of]
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate, up = gate_up(rows[start : start + count], expert).chunk(2, dim=-1)
+            out[start : start + count] = down(F.silu(gate) * up, expert)
+        start += count
+    out.mul_(topk_weights.flatten()[order, None].to(out.dtype))
+    return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """The dense oracle: every expert on every token, weighted by its routing weight there (0 for
+    the experts a token did not choose). w_gate_up [E, 2 I, H], w_down [E, H, I]."""
+    num_experts = w_gate_up.shape[0]
+    dense = torch.zeros(hidden.shape[0], num_experts, dtype=torch.float32, device=hidden.device)
+    dense.scatter_add_(1, topk_ids, topk_weights.float())
+    gate, up = torch.einsum("th,eih->eti", hidden.float(), w_gate_up.float()).chunk(2, dim=-1)
+    expert_out = torch.einsum("eti,ehi->eth", F.silu(gate) * up, w_down.float())
+    return torch.einsum("eth,te->th", expert_out, dense).to(hidden.dtype)
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` SiLU-gated MLPs of `intermediate_size` as two stacked weights, this rank's
+    slice of every expert's intermediate dim."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = divide(intermediate_size, "moe_intermediate_size")
+        rows = 2 * self.intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, rows, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False
+        )
+        self.quantization: str | None = None
+        self.tile: int | None = None
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """shard id None: a stacked tensor of every expert ([E, 2 I, H] or [E, H, I]); else
+        (expert, part) with part 0 (gate) / 1 (up) of gate_up_proj, or None for down_proj."""
+        if shard_id is None:
+            if loaded_weight.shape[0] != self.num_experts:
+                raise ModelLoadError(
+                    f"stacked shape {tuple(loaded_weight.shape)}: {self.num_experts} experts "
+                    "expected in dim 0"
+                )
+            for expert in range(self.num_experts):
+                if param is self.gate_up_proj:
+                    gate, up = loaded_weight[expert].chunk(2)
+                    self._load_expert(param, gate, (expert, 0))
+                    self._load_expert(param, up, (expert, 1))
+                else:
+                    self._load_expert(param, loaded_weight[expert], (expert, None))
+            return
+        self._load_expert(param, loaded_weight, shard_id)
+
+    def _load_expert(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id
+        size = self.intermediate_size
+        if param is self.gate_up_proj:
+            whole = loaded_weight.narrow(0, tp_rank() * size, size)
+            copy_checked(param.data[expert].narrow(0, part * size, size), whole)
+        else:
+            copy_checked(param.data[expert], loaded_weight.narrow(1, tp_rank() * size, size))
+
+    def prepare(self, quantization: str | None, batch_invariant: bool = False) -> None:
+        """Once after loading: int8 storage with `quantization="int8"`; batch-invariant matmuls
+        (tiles of exactly INVARIANT_TILE rows) with `batch_invariant`."""
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization: {quantization!r} is not supported for mixture-of-experts "
+                f"weights; supported: {', '.join(str(q) for q in QUANTIZATIONS)}"
+            )
+        self.tile = INVARIANT_TILE if batch_invariant else None
+        self.quantization = quantization
+        if quantization == "int8":
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(self, name).detach()
+                qweight, scale = quantize_int8(weight.flatten(0, 1))
+                delattr(self, name)
+                self.register_buffer(name, qweight.view(weight.shape), persistent=False)
+                self.register_buffer(
+                    f"{name}_scale", scale.view(weight.shape[:2]), persistent=False
+                )
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H], routing [T, k] -> the experts' weighted sum [T, H], summed over ranks."""
+        return all_reduce(
+            fused_moe(
+                hidden,
+                topk_weights,
+                topk_ids,
+                self.num_experts,
+                lambda rows, e: self._matmul("gate_up_proj", rows, e),
+                lambda rows, e: self._matmul("down_proj", rows, e),
+            )
+        )
+
+    def _matmul(self, name: str, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        weight = getattr(self, name)[expert]
+        if self.quantization == "int8":
+            scale = getattr(self, f"{name}_scale")[expert]
+            return self._rows(lambda r: _int8_matmul(r, weight, scale), rows)
+        return self._rows(lambda r: F.linear(r, weight), rows)
+
+    def _rows(self, matmul: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
+        """As a linear layer's method: batch-invariant tiles, or on the CPU in bfloat16 (oneDNN,
+        a primitive per row count) the rows' bucket (linear_method.row_bucket)."""
+        if self.tile is not None:
+            return tiled_matmul(matmul, rows, self.tile)
+        if rows.device.type == "cpu" and rows.dtype == torch.bfloat16:
+            return bucketed_matmul(matmul, rows)
+        return matmul(rows)
+
+
+def _int8_matmul(rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows [n, K] x int8 [N, K] * scale [N] in the rows' dtype, as `Int8Method.apply`."""
+    rows16 = rows.to(torch.bfloat16)
+    ops = ops_for(rows16)
+    if ops is not None and rows16.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        out = ops.int8_linear(rows16.float(), qweight, scale, _EMPTY)
+    else:
+        out = int8_linear_reference(rows16, qweight, scale, None)
+    return out.to(rows.dtype)
+
+
+_EMPTY = torch.empty(0)
+
+
+def prepare_experts(
+    model: nn.Module, *, quantization: str | None, batch_invariant: bool = False
+) -> None:
+    """`FusedMoE.prepare` on every expert layer of a loaded model (the loader calls it beside
+    `prepare_linears`)."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.prepare(quantization, batch_invariant)
+
+
+def expert_shard(part_name: str) -> tuple[str, int | None]:
+    """Per-expert checkpoint module -> (stacked parameter, part): gate_proj -> ("gate_up_proj",
+    0), up_proj -> ("gate_up_proj", 1), down_proj -> ("down_proj", None)."""
+    return _EXPERT_PARTS[part_name]
+
+
+_EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+EXPERT_PARTS = tuple(_EXPERT_PARTS)
