@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("int8",)
+SPECULATIVE_METHODS = ("ngram",)
 # CPU default for the KV cache when no budget is given: this share of RAM, capped below.
 DEFAULT_CPU_KV_FRACTION = 0.10
 DEFAULT_CPU_KV_CAP_BYTES = 4 << 30
@@ -135,6 +136,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (qiao/spec_decode): each decode step of a request verifies up to
+    `num_speculative_tokens` proposed tokens in the same forward as its next token."""
+
+    # "ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the
+    # request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min).
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            "speculative_method",
+            f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1")
+        _require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            f"must be >= prompt_lookup_min ({self.prompt_lookup_min})",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, composed once and validated across parts."""
 
@@ -146,6 +174,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Ranks the model is split over (torch.distributed, one process per rank; 1: no split).
     tensor_parallel_size: int = 1
+    # None: no speculative decoding.
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -176,6 +206,10 @@ class EngineConfig:
         cuda_graphs: bool | None = None,
         batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 4,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
     ) -> EngineConfig:
         """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         return cls(
@@ -210,6 +244,14 @@ class EngineConfig:
             device=device,
             cuda_graphs=cuda_graphs,
             tensor_parallel_size=tensor_parallel_size,
+            speculative=None
+            if speculative_method is None
+            else SpeculativeConfig(
+                method=speculative_method,
+                num_speculative_tokens=num_speculative_tokens,
+                prompt_lookup_min=prompt_lookup_min,
+                prompt_lookup_max=prompt_lookup_max,
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,6 +267,9 @@ class EngineConfig:
             device=data["device"],
             cuda_graphs=data["cuda_graphs"],
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
+            speculative=(
+                SpeculativeConfig(**data["speculative"]) if data.get("speculative") else None
+            ),
         )
 
     def __post_init__(self) -> None:

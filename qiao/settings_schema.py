@@ -206,6 +206,33 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         kind="tristate",
     ),
     Setting(
+        "speculative_method",
+        "speculative decoding: ngram (prompt lookup: propose the tokens that followed the last "
+        "n tokens' latest earlier occurrence; verified exactly, output unchanged)",
+        choices=("ngram",),
+    ),
+    Setting(
+        "num_speculative_tokens",
+        "tokens proposed and verified per decode step (with --speculative-method)",
+        type=int,
+        default=4,
+        minimum=1,
+    ),
+    Setting(
+        "prompt_lookup_min",
+        "ngram: the shortest suffix looked up in the prompt and output",
+        type=int,
+        default=2,
+        minimum=1,
+    ),
+    Setting(
+        "prompt_lookup_max",
+        "ngram: the longest suffix looked up (tried first)",
+        type=int,
+        default=4,
+        minimum=1,
+    ),
+    Setting(
         "num_threads",
         "torch CPU threads (default: the tuning profile's, else torch's)",
         type=int,

@@ -26,6 +26,9 @@ class ScheduledRequest:
     block_ids: list[int]
     # True when this chunk reaches the last known token: the runner samples the next one.
     sample: bool
+    # Draft tokens to verify (speculative decoding): the last k of token_ids, proposed after the
+    # request's last token; the runner samples all 1 + k positions and keeps the matching run.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +52,11 @@ class ModelRunnerOutput:
     logprobs: list[tuple[list[int], list[float]] | None] | None = None
     # Per sampled row, when logprobs were asked: rank of the sampled token (1 = most likely).
     sampled_ranks: list[int] | None = None
+    # Request id -> the tokens after its sampled token that a row verifying draft tokens also
+    # produced, in order: as many as drafts were accepted (the accepted drafts after the first,
+    # then the target's own token after them). E.g. drafts [7, 8, 9], target [7, 8, 5, 2]:
+    # sampled 7, then [8, 5]. Every row with draft tokens has an entry, [] when none matched.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Request id -> (first prompt position covered, entries): the logprobs of prompt tokens
     # first+1, first+2, ... as `Request.prompt_logprobs` keeps them.
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] = field(

@@ -31,6 +31,7 @@ from qiao.outputs import RequestOutput
 from qiao.runner.grammar import GrammarCompiler
 from qiao.runner.model_runner import ModelRunner
 from qiao.sampling_params import SamplingParams
+from qiao.spec_decode.speculator import Speculator
 from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from qiao.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -104,6 +105,8 @@ class LLMEngine:
         # Prompts that made a step fail: key -> refused until (time.monotonic()).
         self._refused_prompts: dict[bytes, float] = {}
         self._grammars: GrammarCompiler | None = None
+        # Speculative decoding's proposals and counters (qiao/spec_decode); None: off.
+        self.speculator = None if config.speculative is None else Speculator(config.speculative)
 
     def warm_row_buckets(self) -> None:
         """Every oneDNN matmul primitive the steps will use, built now (`warm_row_buckets`):
@@ -173,9 +176,11 @@ class LLMEngine:
             self.iteration_token_counts[
                 bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
             ] += 1
-        self.num_generated_tokens_total += len(updated)
+        self.num_generated_tokens_total += self.scheduler.num_appended_tokens
         touched, stopped = self.output_processor.process(updated, runner_output)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:
+            self.speculator.after_step(scheduler_output, runner_output, self.scheduler.running)
         return failed + self._collect(touched)
 
     def take_failed_requests(self) -> list[tuple[str, QiaoError]]:
@@ -220,6 +225,7 @@ class LLMEngine:
                     merged.prompt_logprobs.update(out.prompt_logprobs)
                     merged.req_ids += out.req_ids
                     merged.sampled_token_ids += out.sampled_token_ids
+                    merged.spec_token_ids.update(out.spec_token_ids)
                     rows.extend(out.logprobs or [None] * len(out.req_ids))
                     ranks.extend(out.sampled_ranks or [0] * len(out.req_ids))
                     return True
@@ -397,6 +403,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queried_tokens": bm.num_queried_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
 
     def _collect(self, parent_ids: list[str]) -> list[RequestOutput]:

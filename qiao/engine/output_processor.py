@@ -131,19 +131,26 @@ class OutputProcessor:
             state = self.states[parent_id]
             touched[parent_id] = None
             completion = state.completions[index]
-            token_id = request.output_token_ids[-1]
-            prev = request.all_token_ids[-2]
-            completion.token_ids.append(token_id)
             if state.prompt_logprobs is None and state.params.prompt_logprobs is not None:
                 state.prompt_logprobs = prompt_logprobs_of(
                     request.prompt_token_ids, request.prompt_logprobs, self.tokenizer
                 )
-            self._add_logprobs(completion, runner_output, row_of[request.request_id], prev)
             detok = state.detokenizers[index]
-            stop_str = detok.update([token_id]) if detok is not None else None
+            stop_str = None
+            # A step verifying draft tokens (speculative decoding) may bring several tokens;
+            # a stop string ends the completion at its token, as plain decoding would. (Logprobs
+            # come for one token per step: a request asking for them does not speculate.)
+            first = request.num_prompt_tokens + len(completion.token_ids)
+            for position in range(first, request.num_tokens):
+                prev, token_id = request.all_token_ids[position - 1 : position + 1]
+                completion.token_ids.append(token_id)
+                self._add_logprobs(completion, runner_output, row_of[request.request_id], prev)
+                stop_str = detok.update([token_id]) if detok is not None else None
+                self._update_metrics(state, request, now)
+                if stop_str is not None:
+                    break
             if detok is not None:
                 completion.text = detok.output_text
-            self._update_metrics(state, request, now)
             if stop_str is not None:
                 completion.finish_reason = "stop"
                 completion.stop_reason = stop_str

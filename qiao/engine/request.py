@@ -80,6 +80,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # The structured-output matcher (llguidance) constraining this sample, if any.
         self.grammar: Any = None
+        # Draft tokens proposed to follow all_token_ids (speculative decoding), verified in the
+        # next decode step; [] when none.
+        self.spec_token_ids: list[int] = []
         # Per prompt position 1.. (when params.prompt_logprobs): (top ids, values, the prompt
         # token's rank); the prompt token's logprob is values[0] (its id first in ids).
         self.prompt_logprobs: list[tuple[list[int], list[float], int]] = []

@@ -44,6 +44,7 @@ class Scheduler:
         self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_appended_tokens = 0  # output tokens the last update() appended
         # Tokens and sequences per step after an out-of-memory step (None: as configured).
         self.step_token_cap: int | None = None
         self.step_seq_cap: int | None = None
@@ -191,6 +192,8 @@ class Scheduler:
                 num_new = min(num_new, token_limit - self._background_tokens)
                 if num_new <= 0 or num_seqs >= seq_limit:
                     break  # the background share of this step is spent: the rest wait
+            allowance = min(budget, token_limit - self._background_tokens) if background else budget
+            num_new += _num_drafts(request, allowance)
             before = len(out.preempted_req_ids)
             allocated, given_back = self._allocate_or_preempt(request, num_new, scheduled, out)
             victims = out.preempted_req_ids[before:]
@@ -235,20 +238,29 @@ class Scheduler:
 
         Returns the requests that received a token this step (finished ones included).
         """
+        spec = runner_output.spec_token_ids
         for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens += len(item.token_ids)
+            # Rejected draft positions stay uncomputed: later steps overwrite their slots.
+            num_rejected = len(item.spec_token_ids) - len(spec.get(item.request.request_id, ()))
+            item.request.num_computed_tokens += len(item.token_ids) - num_rejected
         updated = []
+        self.num_appended_tokens = 0
         for req_id, token_id in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            request.append_output_token(token_id)
             updated.append(request)
-            status = request.check_stop()
-            if status is not None:
-                self._finish(request, status)
+            # A verifying step's accepted run ends at the first token-level stop in it, as
+            # plain decoding would.
+            for token in (token_id, *spec.get(req_id, ())):
+                request.append_output_token(token)
+                self.num_appended_tokens += 1
+                status = request.check_stop()
+                if status is not None:
+                    self._finish(request, status)
+                    break
         return updated
 
     def fail_request(self, req_id: str) -> None:
@@ -379,12 +391,15 @@ class Scheduler:
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        # Tokens past the last known one are draft tokens to verify (`_num_drafts`).
+        drafts = request.spec_token_ids[: max(0, start + num_new - request.num_tokens)]
         return ScheduledRequest(
             request=request,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + drafts,
             num_computed_tokens=start,
             block_ids=self.block_manager.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new - len(drafts) == request.num_tokens,
+            spec_token_ids=drafts,
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -399,3 +414,12 @@ class Scheduler:
 
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(self.waiting, (self._key(request), next(self._tiebreak), request))
+
+
+def _num_drafts(request: Request, allowance: int) -> int:
+    """Draft tokens a decode verifies this step (speculative decoding): the proposed ones, within
+    the step's `allowance` of tokens (its next token takes one) and the request's token limit."""
+    if request.num_tokens - request.num_computed_tokens != 1:
+        return 0
+    room = request.max_total_tokens - request.num_tokens - 1
+    return max(0, min(len(request.spec_token_ids), allowance - 1, room))

@@ -35,8 +35,9 @@ from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
 from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
 from qiao.runner.grammar import MaskFiller, apply_token_bitmask
-from qiao.runner.sampler import Sampler, SamplingMetadata, SamplingRow
+from qiao.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from qiao.runner.tensor_parallel import StepLayout, TPDriver
+from qiao.spec_decode import verify
 from qiao.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -245,24 +246,56 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        rows = to_device_async(last_token[sample_rows], self.device)
-        logits = self._logits(hidden, rows)
         requests = [scheduled[i].request for i in sample_rows]
+        drafts = [scheduled[i].spec_token_ids for i in sample_rows]
+        num_drafts = np.fromiter(map(len, drafts), np.int64, len(drafts))
+        # A request verifying k draft tokens samples its last 1 + k positions (spec_decode).
+        rows = to_device_async(verify.logit_rows(last_token[sample_rows], num_drafts), self.device)
+        logits = self._logits(hidden, rows)
+        first_rows = verify.group_starts(num_drafts)
         constrained = [j for j, r in enumerate(requests) if r.grammar is not None]
         if constrained:
-            self._apply_grammars(logits, [requests[j].grammar for j in constrained], constrained)
+            self._apply_grammars(
+                logits, [requests[j].grammar for j in constrained], first_rows[constrained].tolist()
+            )
+        sampling_rows = [
+            SamplingRow(r.params, r.seed, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
+            for r in requests
+        ]
+        speculative = bool(num_drafts.any())
+        if speculative:
+            sampling_rows = verify.expand_sampling_rows(sampling_rows, drafts)
         sampling = SamplingMetadata.from_rows(
-            [
-                SamplingRow(
-                    r.params, r.seed, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids
-                )
-                for r in requests
-            ],
-            vocab_size=logits.shape[-1],
-            device=self.device,
+            sampling_rows, vocab_size=logits.shape[-1], device=self.device
         )
-        out = self._to_output(requests, self.sampler(logits, sampling))
+        sampled = self.sampler(logits, sampling)
+        if speculative:
+            out = self._verify(requests, drafts, num_drafts, sampled)
+        else:
+            out = self._to_output(requests, sampled)
         out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _verify(
+        self,
+        requests: list[Any],
+        drafts: list[list[int]],
+        num_drafts: np.ndarray,
+        sampled: SamplerOutput,
+    ) -> ModelRunnerOutput:
+        """A step with draft tokens: each request's first token and accepted run
+        (`spec_decode.verify`); logprobs (of requests that do not speculate) from first rows."""
+        firsts, runs = verify.accept_drafts(sampled.sampled_token_ids, num_drafts, drafts)
+        if sampled.logprob_token_ids is None:
+            out = ModelRunnerOutput(
+                req_ids=[r.request_id for r in requests], sampled_token_ids=firsts
+            )
+        else:
+            rows = torch.from_numpy(verify.group_starts(num_drafts)).to(self.device)
+            out = self._to_output(requests, verify.first_rows(sampled, rows))
+        out.spec_token_ids = {
+            r.request_id: run for r, run, k in zip(requests, runs, num_drafts, strict=True) if k
+        }
         return out
 
     def _prompt_logprobs(

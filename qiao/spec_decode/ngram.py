@@ -1,0 +1,50 @@
+"""N-gram prompt lookup: propose the tokens that followed the latest earlier occurrence of the
+request's last n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`.
+
+Text that copies spans of its prompt (editing, extraction, code rewrites) repeats long runs, so
+the tokens after an earlier copy of the current suffix are often the next ones. The lookup costs
+one vectorised compare of every window of the history with the suffix; no model runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: np.ndarray, max_tokens: int | None = None) -> list[int]:
+        """Up to `num_speculative_tokens` (and `max_tokens`) tokens to verify after `token_ids`
+        (the request's prompt + output, int64); [] when no suffix of n >= min_n recurs."""
+        k = (
+            self.num_speculative_tokens
+            if max_tokens is None
+            else min(self.num_speculative_tokens, max_tokens)
+        )
+        if k <= 0:
+            return []
+        return find_ngram_continuation(token_ids, self.min_n, self.max_n, k).tolist()
+
+
+def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The (at most k) tokens after the latest earlier window equal to the last n tokens, for
+    the largest n in [min_n, max_n] that has one; empty when none does.
+
+    E.g. tokens [1, 2, 3, 4, 1, 2], n = 2, k = 3 -> the window [1, 2] at 0 -> [3, 4, 1].
+    """
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # Windows that end before the last token, so at least one token follows each:
+        # window i covers tokens[i : i + n] for i in [0, length - n - 1].
+        windows = sliding_window_view(tokens[: length - 1], n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(starts):
+            first = starts[-1] + n
+            return tokens[first : first + k]
+    return tokens[:0]
