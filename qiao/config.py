@@ -8,6 +8,7 @@ anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,31 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (qiao/lora): adapters on `max_loras` device slots, up to
+    `max_cpu_loras` of them kept loaded on the CPU; `lora_modules` (name, folder) loaded at start."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _require(
+            self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f"must be >= max_loras ({self.max_loras})",
+        )
+        object.__setattr__(
+            self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules)
+        )
+
+
     """Everything the engine needs, composed once and validated across parts."""
 
     model: ModelConfig
@@ -178,6 +204,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     @classmethod
+    # Multi-LoRA serving; None: off (no adapter can be loaded).
+    lora: LoRAConfig | None = None
     def create(
         cls,
         model: str,
@@ -212,6 +240,11 @@ class EngineConfig:
         prompt_lookup_max: int = 4,
     ) -> EngineConfig:
         """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_modules: Any = (),
         return cls(
             model=ModelConfig(
                 model=model,
@@ -254,6 +287,14 @@ class EngineConfig:
             ),
         )
 
+            lora=LoRAConfig(
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+                lora_modules=parse_lora_modules(lora_modules),
+            )
+            if enable_lora
+            else None,
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for an engine process): `from_dict` rebuilds the same config."""
         return dataclasses.asdict(self)
@@ -272,10 +313,16 @@ class EngineConfig:
             ),
         )
 
+            lora=LoRAConfig(**data["lora"]) if data.get("lora") else None,
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
             _require(
+        _require(
+            self.lora is None or self.tensor_parallel_size == 1,
+            "enable_lora",
+            "does not work with tensor_parallel_size > 1 yet (serve adapters on one rank)",
+        )
                 self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
                 "max_num_batched_tokens",
                 f"must be >= max_model_len ({self.model.max_model_len}) without chunked prefill",
@@ -284,4 +331,38 @@ class EngineConfig:
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
+def parse_lora_modules(modules: Any) -> tuple[tuple[str, str], ...]:
+    """(name, folder) pairs from vLLM's `--lora-modules` forms: "name=path", a JSON object
+    string '{"name": ..., "path": ...}', a dict of either shape ({name: path} too), or pairs.
+
+    E.g. ["sql=/a/sql", '{"name": "chat", "path": "/p"}'] -> (("sql", "/a/sql"), ("chat", "/p"))
+    """
+    if isinstance(modules, str | dict):
+        modules = [modules]
+    pairs: list[tuple[str, str]] = []
+    for item in modules or ():
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"lora_modules: {item!r} is not valid JSON ({exc})") from None
+        if isinstance(item, dict) and "name" in item and "path" in item:
+            pairs.append((str(item["name"]), str(item["path"])))
+        elif isinstance(item, dict):
+            pairs.extend((str(n), str(p)) for n, p in item.items())
+        elif isinstance(item, str) and "=" in item:
+            name, _, path = item.partition("=")
+            pairs.append((name.strip(), path.strip()))
+        elif isinstance(item, list | tuple) and len(item) == 2:
+            pairs.append((str(item[0]), str(item[1])))
+        else:
+            raise ConfigError(
+                f'lora_modules: {item!r}; expected name=path or {{"name": "...", "path": "..."}}'
+            )
+    names = [n for n, _ in pairs]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    _require(duplicate is None, "lora_modules", f"names {duplicate!r} twice")
+    return tuple(pairs)
+
+
         raise ConfigError(f"{name} {message}")

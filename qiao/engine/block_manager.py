@@ -47,6 +47,11 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def _root_hash(request: Request) -> bytes | None:
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else lora.block_hash_root
+
+
 class BlockManager:
     def __init__(
         self,
@@ -231,4 +236,7 @@ class BlockManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + bs]))
+            # A request's first block hangs off its LoRA adapter's root (None: the base
+            # model's), so blocks computed under an adapter are shared with no other.
+            parent = hashes[-1] if hashes else _root_hash(request)
+            hashes.append(hash_block(parent, tokens[start : start + bs]))

@@ -22,10 +22,18 @@ from qiao.engine.block_manager import BlockManager
 from qiao.engine.output_processor import OutputProcessor
 from qiao.engine.request import Request, RequestStatus
 from qiao.engine.scheduler import Scheduler
-from qiao.errors import ConfigError, QiaoError, RequestFailedError, RequestTooLargeError
+from qiao.errors import (
+    ConfigError,
+    ModelNotFoundError,
+    QiaoError,
+    RequestFailedError,
+    RequestTooLargeError,
+)
 from qiao.hal.platform import default_device, resolve_dtype
 from qiao.kernels import cpu_ops
 from qiao.layers.linear_method import warm_row_buckets
+from qiao.lora.manager import LoRAManager
+from qiao.lora.request import LoRARequest
 from qiao.models.arch_config import load_arch_config
 from qiao.outputs import RequestOutput
 from qiao.runner.grammar import GrammarCompiler
@@ -107,6 +115,9 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         # Speculative decoding's proposals and counters (qiao/spec_decode); None: off.
         self.speculator = None if config.speculative is None else Speculator(config.speculative)
+        self._lora_ids = itertools.count(1)
+        for name, path in config.lora.lora_modules if config.lora is not None else ():
+            self.add_lora(LoRARequest(name, next(self._lora_ids), path))
 
     def warm_row_buckets(self) -> None:
         """Every oneDNN matmul primitive the steps will use, built now (`warm_row_buckets`):
@@ -146,6 +157,7 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             batch_invariant=mc.batch_invariant,
             tensor_parallel_size=config.tensor_parallel_size,
+            lora_config=config.lora,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -299,10 +311,15 @@ class LLMEngine:
         priority: int = 0,
         stream: bool = False,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ConfigError naming the bad field before any work."""
+        """Validate and queue a request. Raises ConfigError naming the bad field before any work.
+
+        `lora_request`: the adapter to run under, a `LoRARequest` (registered on first use, as
+        vLLM does) or the name of a registered one (ModelNotFoundError when unknown)."""
         if request_id in self.output_processor.states:
             raise ConfigError(f"request_id {request_id!r} is already running")
+        lora = self._lora_request(lora_request)
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._refuse_failed_prompt(prompt_ids)
         max_total = self._check_lengths(prompt_ids, params)
@@ -318,6 +335,7 @@ class LLMEngine:
                 priority=priority,
                 arrival_seq=arrival_seq,
                 arrival_time=arrival_time,
+                lora_request=lora,
             )
             for i in range(params.n)
         ]
@@ -328,6 +346,43 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt_text, children, stream)
         for child in children:
             self.scheduler.add_request(child)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter (read and checked now); False when it was already."""
+        return self._lora_manager().add(lora_request)
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Register the adapter in folder `path` under `name` (a new id: a reload replaces)."""
+        request = LoRARequest(name, next(self._lora_ids), path)
+        self._lora_manager().add(request)
+        return request
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter (ModelNotFoundError when unknown); requests running under it finish
+        under it (reloaded from its folder if its slot is needed meanwhile)."""
+        self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        manager = self.runner.lora
+        return [] if manager is None else list(manager.registered.values())
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.runner.lora is None:
+            raise ConfigError("LoRA adapters need an engine started with enable_lora")
+        return self.runner.lora
+
+    def _lora_request(self, lora: LoRARequest | str | None) -> LoRARequest | None:
+        if lora is None:
+            return None
+        manager = self._lora_manager()
+        if isinstance(lora, LoRARequest):
+            manager.add(lora)
+            return lora
+        known = manager.registered.get(lora)
+        if known is None:
+            names = ", ".join(sorted(manager.registered)) or "none"
+            raise ModelNotFoundError(f"LoRA adapter {lora!r} is not loaded (loaded: {names})")
+        return known
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Built on the first constrained request (the tokenizer loaded then if this engine has

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qiao.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qiao.lora.request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,6 +59,7 @@ class Request:
         priority: int = 0,
         arrival_seq: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -86,6 +90,8 @@ class Request:
         # Per prompt position 1.. (when params.prompt_logprobs): (top ids, values, the prompt
         # token's rank); the prompt token's logprob is values[0] (its id first in ids).
         self.prompt_logprobs: list[tuple[list[int], list[float], int]] = []
+        # The LoRA adapter this sample runs under (qiao/lora); None: the base model.
+        self.lora_request = lora_request
 
     @property
     def needs_prompt_logprobs(self) -> bool:

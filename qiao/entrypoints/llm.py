@@ -13,6 +13,7 @@ from qiao.config import EngineConfig
 from qiao.engine.llm_engine import LLMEngine, PromptType
 from qiao.entrypoints.tuning import apply_num_threads, tuned_defaults
 from qiao.errors import ConfigError
+from qiao.lora.request import LoRARequest
 from qiao.outputs import RequestOutput
 from qiao.profile import ProfileChoice
 from qiao.sampling_params import SamplingParams
@@ -77,11 +78,13 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`.
-        `sampling_params` is one object for all prompts or one per prompt.
+        `sampling_params` is one object for all prompts or one per prompt; `lora_request` (an
+        engine with `enable_lora`) likewise, None being the base model.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(
@@ -90,7 +93,8 @@ class LLM:
         priorities = _broadcast(
             list(priority) if priority is not None else 0, len(prompt_list), "priority"
         )
-        request_ids = self._add_all(prompt_list, params_list, priorities)
+        loras = _broadcast(lora_request, len(prompt_list), "lora_request")
+        request_ids = self._add_all(prompt_list, params_list, priorities, loras)
         return self._run(request_ids, params_list, use_tqdm)
 
     def chat(
@@ -120,13 +124,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_all(
-        self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         request_ids: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p, prio in zip(prompts, params, priorities, strict=True):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+                self.engine.add_request(request_id, prompt, p, priority=prio, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             # All prompts are validated before any step runs: a bad one cancels the batch.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from torch import nn
 from qiao.distributed.parallel_state import all_reduce, divide, tp_rank, tp_size
 from qiao.errors import ModelLoadError
 from qiao.layers.linear_method import DenseMethod, LinearMethod, choose_method
+
+if TYPE_CHECKING:
+    from qiao.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.method: LinearMethod = DenseMethod()
+        # This layer's LoRA adapter slots, when the engine serves adapters (qiao/lora).
+        self.lora: LoRASlots | None = None
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -64,7 +70,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 def rank_slice(loaded_weight: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -104,7 +111,8 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, rank_slice(loaded_weight, 1, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.method.apply(self, x))
+        y = self.method.apply(self, x)
+        return all_reduce(y if self.lora is None else self.lora.apply(x, y))
 
 
 def load_stacked(

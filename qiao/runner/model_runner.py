@@ -25,12 +25,15 @@ from qiao.config import (
     DEFAULT_CPU_KV_FRACTION,
     DEFAULT_GPU_KV_FRACTION,
     CacheConfig,
+    LoRAConfig,
 )
 from qiao.distributed.parallel_state import divide, tp_rank
 from qiao.errors import ConfigError
 from qiao.hal import platform
 from qiao.hal.platform import to_device_async, total_memory_bytes
 from qiao.layers.attention import Attention
+from qiao.lora.manager import LoRAManager
+from qiao.lora.steps import merge_outputs, sub_step
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import load_model
 from qiao.runner.cuda_graphs import DecodeGraphs, DecodeLayout, resolve_cuda_graphs
@@ -60,6 +63,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
         tp_worker: bool = False,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks'
         worker processes (`tensor_parallel`) before it builds its slice of the model;
@@ -92,7 +96,8 @@ class ModelRunner:
         self.num_kv_heads = divide(arch.num_key_value_heads, "num_key_value_heads")
         self.max_model_len = max_model_len or arch.max_position_embeddings
         # None: on for CUDA. Pure-decode steps then replay a captured graph (see cuda_graphs).
-        self.use_cuda_graphs = resolve_cuda_graphs(cuda_graphs, device)
+        # (Not under LoRA: a captured graph would bake in one step's adapter plan.)
+        self.use_cuda_graphs = lora_config is None and resolve_cuda_graphs(cuda_graphs, device)
         self.decode_graphs: DecodeGraphs | None = None
         self.model = load_model(
             model_dir,
@@ -109,6 +114,12 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, Attention) and module.backend_name == "auto":
                     module.backend_name = "cpu_invariant"
+        # The adapters' device slots and CPU cache (qiao/lora), when serving adapters.
+        self.lora = (
+            None
+            if lora_config is None
+            else LoRAManager(self.model, lora_config, dtype=dtype, device=device)
+        )
         self.sampler = Sampler()
         self._mask_filler: MaskFiller | None = None  # on the first structured-output step
         self.kv_caches: list[torch.Tensor] = []
@@ -225,6 +236,13 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
+        if self.lora is not None:
+            # More adapters than device slots: run the step in parts that fit.
+            parts = self.lora.split([s.request.lora_request for s in scheduled])
+            if parts is not None:
+                return merge_outputs(
+                    [self.execute(sub_step([scheduled[i] for i in rows])) for rows in parts]
+                )
         hidden = None
         prompt_logprobs: dict[str, Any] = {}
         if self.decode_graphs is not None:
@@ -236,7 +254,7 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.forward(layout)
             input_ids, positions, metadata = self._inputs(layout)
-            hidden = self.model(input_ids, positions, metadata)
+            hidden = self._forward(scheduled, input_ids, positions, metadata)
             # The last token of sequence i sits at query_start_loc[i + 1] - 1.
             last_token = metadata.query_start_loc_cpu[1:] - 1
             if any(s.request.needs_prompt_logprobs for s in scheduled):
@@ -361,6 +379,20 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.logits(rows)
         return self.model.compute_logits(hidden[rows])
+
+    def _forward(
+        self,
+        scheduled: list[Any],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The model's forward, under the step's LoRA plan when adapters are served."""
+        if self.lora is None:
+            return self.model(input_ids, positions, metadata)
+        query_lens = np.diff(metadata.query_start_loc_cpu)
+        with self.lora.step([s.request.lora_request for s in scheduled], query_lens):
+            return self.model(input_ids, positions, metadata)
 
     def forward_layout(self, layout: StepLayout) -> torch.Tensor:
         """A worker rank's forward of the step rank 0 sent."""
