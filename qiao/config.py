@@ -15,7 +15,7 @@ from typing import Any
 
 from qiao.errors import ConfigError
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("int8",)

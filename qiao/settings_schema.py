@@ -105,7 +105,7 @@ def _as_bool(value: Any, source: str) -> bool:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 ENGINE_SETTINGS: tuple[Setting, ...] = (
-    Setting("model", "Hugging Face checkpoint directory", metavar="PATH"),
+    Setting("model", "Hugging Face checkpoint directory, or a .gguf file", metavar="PATH"),
     Setting(
         "dtype",
         "weight and activation dtype (auto: the checkpoint's; on the CPU a half-precision "
@@ -115,9 +115,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "load_format",
-        "weight source (dummy: random weights of the right shapes, no checkpoint needed)",
+        "weight source (dummy: random weights of the right shapes, no checkpoint needed; "
+        "gguf: a llama.cpp .gguf file, also picked by auto for a .gguf path)",
         default="auto",
-        choices=("auto", "safetensors", "dummy"),
+        choices=("auto", "safetensors", "gguf", "dummy"),
     ),
     Setting(
         "quantization",

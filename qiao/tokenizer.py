@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qiao.errors import ModelLoadError
+from qiao.gguf_file import is_gguf_path, load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +16,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """A `transformers` fast tokenizer for the checkpoint directory `path`."""
+    """A `transformers` fast tokenizer for the checkpoint directory `path` (or built from the
+    metadata of a `.gguf` file: qiao.gguf_file)."""
+    if is_gguf_path(path):
+        return load_gguf_tokenizer(path)
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(

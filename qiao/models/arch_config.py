@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qiao.errors import ConfigError, ModelLoadError
+from qiao.gguf_file import is_gguf_path
 from qiao.layers.rotary import validate_rope_scaling
 from qiao.models.registry import supported_architectures
 
@@ -133,7 +134,12 @@ class ArchConfig:
 
 
 def load_arch_config(model_dir: str | Path) -> ArchConfig:
-    """Read `model_dir/config.json`. Remote code (`auto_map`) is refused, never run."""
+    """Read `model_dir/config.json`. Remote code (`auto_map`) is refused, never run. A `.gguf`
+    file (or a directory holding one and no config.json) is read by qiao.models.gguf."""
+    if is_gguf_path(model_dir):
+        from qiao.models.gguf import read_gguf_arch_config  # imports this module
+
+        return read_gguf_arch_config(model_dir)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")

@@ -15,15 +15,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from qiao.errors import ConfigError, ModelLoadError
+from qiao.gguf_file import is_gguf_path
 from qiao.layers.fused_moe import prepare_experts
 from qiao.layers.linear import prepare_linears
 from qiao.logs import Progress
+from qiao.models import gguf
 from qiao.models.arch_config import ArchConfig
 from qiao.models.registry import get_model_class
 
 logger = logging.getLogger("qiao.loader")
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -43,7 +45,9 @@ def load_model(
 ) -> nn.Module:
     """The model of `arch` on `device` in `dtype`, weights loaded, in eval mode.
 
-    load_format "dummy" needs no checkpoint: small deterministic random weights (benchmarks).
+    load_format "dummy" needs no checkpoint: small deterministic random weights (benchmarks);
+    "gguf" (or "auto" given a `.gguf` path) reads a llama.cpp file (qiao.models.gguf), whose
+    Q8_0 / Q4 matrices choose the int8 / int4 path when `quantization` is None.
     Once loaded, every linear layer prepares its weights for the device (`prepare_linears`):
     packed for the CPU's matmul library, or int8 with `quantization="int8"`; `batch_hint` is the
     typical number of rows per matmul (the running-sequence limit). `batch_invariant`: every
@@ -61,6 +65,8 @@ def load_model(
     model.tie_weights()
     if load_format == "dummy":
         init_dummy_weights(model)
+    elif load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_dir)):
+        quantization = gguf.load_gguf_checkpoint(model, model_dir, quantization)
     else:
         _load_checkpoint(model, Path(model_dir))
     prepare_linears(

@@ -1,0 +1,379 @@
+"""GGUF checkpoints (llama.cpp's single-file format, read with the `gguf` package).
+
+One `.gguf` file carries the architecture (metadata under `<arch>.*`), the tokenizer
+(`tokenizer.ggml.*`, `tokenizer.chat_template`) and the tensors under llama.cpp's names. This
+module turns each into qiao's form:
+
+- `read_gguf_arch_config`: the metadata as an `ArchConfig` (llama, qwen2, qwen3, phi3).
+- `iter_gguf_weights`: (Hugging Face name, float tensor) of every tensor, llama.cpp's names mapped
+  back (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) and, for the llama
+  arch, the q/k row permutation of llama.cpp's converter undone. F32 / F16 / BF16 load as they
+  are; Q8_0, Q4_0 and Q4_K are decoded exactly (vectorised, no per-block loops).
+- `gguf_int4_weights`: a Q4_0 / Q4_K tensor as `Int4Weights` (codes, per-32 scales and offsets),
+  the 4-bit path's form, without a detour through float.
+The tokenizer is built in qiao.gguf_file (below the layers, for qiao.tokenizer).
+
+Q8_0 goes onto qiao's int8 path by requantizing: the exact dequantized weight is handed to the
+layer, whose per-output-channel int8 method (`Int8Method`) rounds it once more (docs/gguf.md
+gives the measured difference).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qiao.errors import ModelLoadError
+from qiao.gguf_file import NO_TOKEN_ID, open_gguf_reader
+from qiao.layers import quant_int4
+from qiao.layers.quant_int4 import Int4Weights
+from qiao.models.arch_config import ArchConfig
+
+logger = logging.getLogger("qiao.loader")
+
+# GGUF `general.architecture` -> qiao architecture (Mistral converts as "llama").
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K")
+SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
+# The architectures whose q/k rows llama.cpp's converter permutes (rotary on adjacent pairs).
+_PERMUTED_ARCHS = ("llama",)
+
+# GGUF tensor names -> Hugging Face names; per-block names under `blk.N.`.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k, v stacked
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Phi-3's ffn_up holds gate and up stacked (its checkpoint's gate_up_proj).
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed file: its metadata (key -> plain value) and tensors by name."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+
+    @property
+    def arch(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`<arch>.<key>` from the metadata."""
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    metadata, reader = open_gguf_reader(path)
+    return GGUFFile(Path(reader.data.filename), metadata, {t.name: t for t in reader.tensors})
+
+
+# --- architecture -----------------------------------------------------------------------------
+
+
+def read_gguf_arch_config(path: str | Path) -> ArchConfig:
+    """The file's metadata as an ArchConfig (through `ArchConfig.from_dict`'s checks)."""
+    f = open_gguf(path)
+    if f.arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{f.path.name}: GGUF architecture {f.arch!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    if "rope_freqs.weight" in f.tensors or "rope_factors_long.weight" in f.tensors:
+        raise ModelLoadError(
+            f"{f.path.name}: per-frequency RoPE factors (rope_freqs / rope_factors_*: Llama 3.1 "
+            "scaling, LongRoPE) are not supported from GGUF yet; load the Hugging Face checkpoint"
+        )
+    heads = _meta_int(f, "attention.head_count")
+    hidden = _meta_int(f, "embedding_length")
+    head_dim = f.get("attention.key_length") or hidden // heads
+    rope_dim = f.get("rope.dimension_count") or head_dim
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    config = {
+        "architectures": [ARCHITECTURES[f.arch]],
+        "model_type": f.arch,
+        "vocab_size": f.get("vocab_size") or _rows(f, "token_embd.weight") or len(tokens or ()),
+        "hidden_size": hidden,
+        "intermediate_size": _intermediate_size(f),
+        "num_hidden_layers": _meta_int(f, "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.get("attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "partial_rotary_factor": rope_dim / head_dim,
+        "max_position_embeddings": f.get("context_length", 2048),
+        "rms_norm_eps": float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(f.get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(f),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors or "blk.0.attn_qkv.bias" in f.tensors,
+        "sliding_window": f.get("attention.sliding_window") or None,
+        "hidden_act": "silu",
+        "bos_token_id": _token_id(f, "bos_token_id"),
+        "eos_token_id": _token_id(f, "eos_token_id"),
+        "torch_dtype": _float_dtype(f),
+    }
+    return ArchConfig.from_dict(config)
+
+
+def _meta_int(f: GGUFFile, key: str) -> int:
+    value = f.get(key)
+    if value is None:
+        raise ModelLoadError(f"{f.path.name}: GGUF metadata lacks {f.arch}.{key}")
+    return int(value)
+
+
+def _rows(f: GGUFFile, name: str) -> int | None:
+    tensor = f.tensors.get(name)
+    return None if tensor is None else int(tensor.shape[-1])
+
+
+def _intermediate_size(f: GGUFFile) -> int:
+    size = _meta_int(f, "feed_forward_length")
+    return size[0] if isinstance(size, list) else size
+
+
+def _rope_scaling(f: GGUFFile) -> dict | None:
+    kind = f.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(
+            f"{f.path.name}: RoPE scaling {kind!r} from GGUF is not supported (linear is)"
+        )
+    return {"rope_type": "linear", "factor": float(f.get("rope.scaling.factor", 1.0))}
+
+
+def _token_id(f: GGUFFile, key: str) -> int | None:
+    value = f.metadata.get(f"tokenizer.ggml.{key}")
+    return None if value is None or value == NO_TOKEN_ID else int(value)
+
+
+def _float_dtype(f: GGUFFile) -> str:
+    """The checkpoint's float dtype: F16 / BF16 when its matrices are, else float32 (F32 and
+    the quantized types, whose scales llama.cpp computes with in float32)."""
+    types = {t.tensor_type.name for t in f.tensors.values() if len(t.shape) == 2}
+    for name, dtype in (("BF16", "bfloat16"), ("F16", "float16")):
+        if name in types:
+            return dtype
+    return "float32"
+
+
+def gguf_quantization(path: str | Path, int4_available: bool) -> str | None:
+    """The linear layers' path for the file's matrices: "int8" for Q8_0, "int4" for Q4_0 /
+    Q4_K (when the 4-bit path is in), None for float ones (dequantized Q4 too)."""
+    f = open_gguf(path)
+    types = {
+        t.tensor_type.name
+        for name, t in f.tensors.items()
+        if name.startswith("blk.") and len(t.shape) == 2
+    }
+    if types & {"Q4_0", "Q4_K"}:
+        return "int4" if int4_available else None
+    return "int8" if "Q8_0" in types else None
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def load_gguf_checkpoint(
+    model: nn.Module, path: str | Path, quantization: str | None
+) -> str | None:
+    """Fill `model` (built from `read_gguf_arch_config(path)`) from the file; returns the
+    quantization its linear layers take: the one asked for, else the file's own (Q8_0: "int8",
+    Q4_0 / Q4_K: "int4", whose codes and scales are attached to the layers as they are)."""
+    f = open_gguf(path)
+    loaded = model.load_weights(iter_gguf_weights(f.path))
+    missing = sorted(model.expected_weight_names() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"{f.path.name} lacks tensor(s) for: {shown}")
+    if quantization is None:
+        quantization = gguf_quantization(f.path, hasattr(quant_int4, "Int4Method"))
+        if quantization is not None:
+            logger.info("%s: linear layers on the %s path", f.path.name, quantization)
+    if quantization == "int4":
+        _attach_int4(model, f.path)
+    return quantization
+
+
+def _attach_int4(model: nn.Module, path: Path) -> None:
+    """Hand each Q4 matrix's codes and scales to its layer; layers without one stay float."""
+    from qiao.layers.linear import LinearBase
+    from qiao.models.llama import _param_name
+
+    attached = set()
+    for name, weights in gguf_int4_weights(path):
+        param_name, shard_id = _param_name(name)
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        if isinstance(module, LinearBase):
+            quant_int4.attach_int4_weights(module, weights, shard_id)
+            attached.add(module)
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module not in attached:
+            module.__dict__["int4_keep_dense"] = True
+
+
+def hf_name(gguf_name: str, arch: str) -> str:
+    """llama.cpp tensor name -> Hugging Face parameter name."""
+    base, _, leaf = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{leaf}"
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    names = _PHI3_BLOCK_NAMES if arch == "phi3" else _BLOCK_NAMES
+    if match is None or match.group(2) not in names:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no counterpart in a {arch} model")
+    layer, part, leaf = match.groups()
+    return f"model.layers.{layer}.{names[part]}.{leaf}"
+
+
+def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float tensor) of every tensor in the file, rows unpermuted."""
+    f = open_gguf(path)
+    arch = read_gguf_arch_config(f.path)
+    for name, tensor in f.tensors.items():
+        yield hf_name(name, f.arch), _unpermute(f, arch, name, dequantize_tensor(tensor, name))
+
+
+def gguf_int4_weights(path: str | Path) -> Iterator[tuple[str, Int4Weights]]:
+    """(Hugging Face name, Int4Weights) of every Q4_0 / Q4_K matrix, rows unpermuted."""
+    f = open_gguf(path)
+    arch = read_gguf_arch_config(f.path)
+    for name, tensor in f.tensors.items():
+        kind = tensor.tensor_type.name
+        if kind not in ("Q4_0", "Q4_K"):
+            continue
+        raw = _from_numpy(np.asarray(tensor.data))
+        decode = decode_q4_0 if kind == "Q4_0" else decode_q4_k
+        codes, scales, offsets = (_unpermute(f, arch, name, t) for t in decode(raw))
+        yield hf_name(name, f.arch), Int4Weights(codes, scales, offsets, 32)
+
+
+def dequantize_tensor(tensor: Any, name: str = "") -> torch.Tensor:
+    """One GGUF tensor as a torch tensor of its logical shape (rows first): F32 / F16 / BF16 as
+    stored (zero-copy where possible), Q8_0 / Q4_0 / Q4_K decoded to float32."""
+    kind = tensor.tensor_type.name
+    data = np.asarray(tensor.data)
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne innermost-first
+    if kind == "F32":
+        return _from_numpy(data.reshape(shape))
+    if kind == "F16":
+        return _from_numpy(data.reshape(shape))
+    if kind == "BF16":
+        return _from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    if kind in QUANT_TYPES:
+        raw = _from_numpy(data.reshape(-1, data.shape[-1]))
+        if kind == "Q8_0":
+            return decode_q8_0(raw).reshape(shape)
+        codes, scales, offsets = (decode_q4_0 if kind == "Q4_0" else decode_q4_k)(raw)
+        groups = codes.float().reshape(codes.shape[0], -1, 32)
+        weight = groups * scales[..., None] - offsets[..., None]
+        return weight.reshape(shape)
+    raise ModelLoadError(
+        f"GGUF tensor {name!r} is of type {kind}, which qiao does not load; supported: "
+        f"{', '.join(SUPPORTED_TYPES)} (requantize the file, e.g. with llama-quantize)"
+    )
+
+
+def _from_numpy(data: np.ndarray) -> torch.Tensor:
+    """A zero-copy view of the read-only memory map (only ever copied from, never written)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(data)
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian -> float32 [...]."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def decode_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows [N, K/32 * 34] -> float32 [N, K]: each block is d (f16) and 32 int8, w = q d."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = _f16(blocks[..., :2])
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (q * d[..., None]).reshape(raw.shape[0], -1)
+
+
+def decode_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 rows [N, K/32 * 18] -> (codes uint8 [N, K], scales, offsets float32 [N, K/32]).
+
+    A block is d (f16) and 16 bytes: element i < 16 in the low nibble of byte i, element 16 + i
+    in its high nibble; w = (q - 8) d, i.e. scale d and offset 8 d.
+    """
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = _f16(blocks[..., :2])
+    qs = blocks[..., 2:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, blocks, 32]
+    return codes.reshape(raw.shape[0], -1), d, 8.0 * d
+
+
+def decode_q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows [N, K/256 * 144] -> (codes uint8 [N, K], scales, offsets float32 [N, K/32]).
+
+    A super-block of 256 is d, dmin (f16), 12 bytes of 6-bit (scale, min) pairs for its 8
+    sub-blocks of 32, and 128 bytes of codes: sub-blocks 2c and 2c+1 are the low and high
+    nibbles of bytes 32c..32c+31. w = q (d sc) - dmin m.
+    """
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 144)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    packed = blocks[..., 4:16].reshape(n, -1, 3, 4)
+    low, high, mixed = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7: a
+    # nibble of bytes 8-11 plus the top 2 bits of bytes 0-3 (scales) or 4-7 (mins).
+    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1).float()
+    m = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1).float()
+    qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # [N, blocks, 4 chunks, 2 halves, 32]
+    scales = (d[..., None] * sc).reshape(n, -1)
+    offsets = (dmin[..., None] * m).reshape(n, -1)
+    return codes.reshape(n, -1), scales, offsets
+
+
+def _unpermute(f: GGUFFile, arch: ArchConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order for the llama arch: its converter stores each head's rows
+    as adjacent rotary pairs (row 2i + j of a head is Hugging Face's row j * D/2 + i, D the
+    head size), the layout its rotary kernel expects. Any row-aligned tensor (weight, bias,
+    int4 codes, scales) is reordered the same way."""
+    if f.arch not in _PERMUTED_ARCHS or not name.endswith(
+        ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
+    ):
+        return t
+    heads = arch.num_attention_heads if ".attn_q." in name else arch.num_key_value_heads
+    rest = t.shape[1:]
+    # E.g. one head of D = 4: rows [a0, b0, a1, b1] -> [a0, a1, b0, b1].
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
