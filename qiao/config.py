@@ -18,7 +18,7 @@ from qiao.errors import ConfigError
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 SPECULATIVE_METHODS = ("ngram",)
 # CPU default for the KV cache when no budget is given: this share of RAM, capped below.
 DEFAULT_CPU_KV_FRACTION = 0.10
@@ -37,7 +37,8 @@ class ModelConfig:
     tokenizer: str | None = None  # None: the model directory
     skip_tokenizer_init: bool = False
     seed: int = 0
-    quantization: str | None = None  # "int8": weight-only int8 linears (per-channel scales)
+    quantization: str | None = None  # "int8": weight-only int8 linears (per-channel scales);
+    # "w8a8": int8 weights and per-token int8 activations, int32 products
     # Every token's result independent of the batch it runs in (CPU; see linear_method).
     batch_invariant: bool = False
 

@@ -122,8 +122,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "quantization",
-        "int8: weight-only int8 linear layers (a quarter of float32's bytes)",
-        choices=("int8",),
+        "int8: weight-only int8 linear layers (a quarter of float32's bytes); w8a8: int8 "
+        "weights and per-token int8 activations, int8 matmuls (AVX-512 VNNI)",
+        choices=("int8", "w8a8"),
     ),
     Setting(
         "max_model_len", "context length limit (default: the checkpoint's)", type=int, minimum=1
