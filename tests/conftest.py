@@ -13,7 +13,19 @@ import torch
 
 from qiao.attention.metadata import AttentionMetadata
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "phi4mini", "qwen2moe", "qwen3moe")
+ARCHS = (
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "phi4mini",
+    "qwen2moe",
+    "qwen3moe",
+    "gemma2",
+    "gemma3",
+)
 TINY_VOCAB_SIZE = 320
 STORIES_DIR = (Path(__file__).parents[1] / "../shared/models/stories260K-hf").resolve()
 
@@ -121,6 +133,8 @@ def _hf_config(arch_name: str, bos_token_id: int, eos_token_id: int):
         return _phi3_config(arch_name, common)
     if arch_name in ("qwen2moe", "qwen3moe"):
         return _qwen_moe_config(arch_name, common)
+    if arch_name in ("gemma2", "gemma3"):
+        return _gemma_config(arch_name, common)
     raise ValueError(f"unknown tiny arch {arch_name!r}; known: {ARCHS}")
 
 
@@ -166,6 +180,33 @@ def _qwen_moe_config(arch_name: str, common: dict):
         )
     return transformers.Qwen3MoeConfig(
         **common, **moe, num_experts_per_tok=3, norm_topk_prob=True, head_dim=32
+    )
+
+
+def _gemma_config(arch_name: str, common: dict):
+    """Gemma 2: soft-capping small enough to bend the scores and logits of these weights, a
+    window of 20 on layer 0 (layer 1 global), query_pre_attn_scalar unlike head_dim. Gemma 3:
+    q/k norms, layers sliding (window 24) / global, local RoPE base 10k, global 1M with linear
+    scaling. head_dim 32: the vectorised CPU attention kernel."""
+    import transformers
+
+    gemma = {**common, "head_dim": 32, "tie_word_embeddings": True}
+    if arch_name == "gemma2":
+        return transformers.Gemma2Config(
+            **gemma,
+            sliding_window=20,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        )
+    return transformers.Gemma3TextConfig(
+        **gemma,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
     )
 
 

@@ -25,6 +25,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         backend: str = "auto",
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -32,6 +33,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        # Scores soft-capped as `softcap * tanh(score / softcap)` before the softmax (Gemma 2).
+        self.softcap = softcap
         # Resolved on the first forward, when the device is known ("auto" depends on it).
         self.backend_name = backend
         self.backend: AttentionBackend | None = None
@@ -55,5 +58,6 @@ class Attention(nn.Module):
             scale=self.scale,
             num_kv_heads=self.num_kv_heads,
             sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return out.flatten(1)

@@ -13,6 +13,7 @@ from typing import Any
 
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.gguf_file import is_gguf_path
+from qiao.layers.quant_int4 import Int4CheckpointFormat, read_int4_checkpoint_format
 from qiao.layers.rotary import validate_rope_scaling
 from qiao.models.registry import supported_architectures
 
@@ -25,6 +26,8 @@ _ARCH_OF_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -51,7 +54,9 @@ class ArchConfig:
     attention_bias: bool  # bias on q/k/v (and o, except for Qwen2)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    sliding_window: int | None  # applies to every layer when set
+    sliding_window: (
+        int | None
+    )  # applies to every layer when set (Gemma: `layer_types`' sliding ones)
     fused_checkpoint: bool  # the checkpoint holds qkv_proj and gate_up_proj fused (Phi-3)
     hidden_act: str
     bos_token_id: int | None
@@ -65,6 +70,29 @@ class ArchConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
+    # Gemma 2 / 3: "sliding_attention" or "full_attention" per layer (empty: every layer slides
+    # when sliding_window is set), soft-capping `cap * tanh(x / cap)` of the attention scores and
+    # of the final logits, the attention scale's base and the sliding layers' RoPE base.
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar**-0.5
+    rope_local_theta: float | None = None  # None: sliding layers use rope_theta too
+    # AWQ / GPTQ checkpoints (`quantization_config`): their 4-bit layout; None: float weights.
+    quantization_config: Int4CheckpointFormat | None = None
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer `layer_index`'s attention (None: it sees the whole context)."""
+        if self.layer_types and self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer has one: K/V blocks that fall out of it are never read
+        again by any layer and may be freed. None when some layer sees the whole context."""
+        windows = {self.layer_sliding_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     def is_sparse_layer(self, layer_index: int) -> bool:
         """Whether layer `layer_index` has a mixture-of-experts MLP (transformers' rule)."""
@@ -81,8 +109,12 @@ class ArchConfig:
                 f"num_key_value_heads: {self.num_key_value_heads} does not divide "
                 f"num_attention_heads {self.num_attention_heads}"
             )
-        if self.hidden_act != "silu":
-            raise ConfigError(f"hidden_act: unsupported value {self.hidden_act!r}; supported: silu")
+        activation = "gelu_pytorch_tanh" if self.architecture in _GEMMA_ARCHITECTURES else "silu"
+        if self.hidden_act != activation:
+            raise ConfigError(
+                f"hidden_act: unsupported value {self.hidden_act!r} for {self.architecture}; "
+                f"supported: {activation}"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window: must be >= 1, got {self.sliding_window}")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
@@ -116,20 +148,25 @@ class ArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rotary_dim=int(head_dim * _partial_rotary_factor(d)),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            # Gemma ties by default (its config.json often leaves the key out).
+            tie_word_embeddings=d.get("tie_word_embeddings", architecture in _GEMMA_ARCHITECTURES),
             # Qwen2 always biases q/k/v; its config.json does not say so. Qwen2-MoE: `qkv_bias`.
             attention_bias=architecture == "Qwen2ForCausalLM"
             or (architecture == "Qwen2MoeForCausalLM" and d.get("qkv_bias", True))
             or d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=_sliding_window(d, architecture),
             fused_checkpoint=architecture == "Phi3ForCausalLM",
-            hidden_act=d.get("hidden_act", "silu"),
+            # Gemma's key is `hidden_activation` (transformers 4 configs also carry hidden_act).
+            hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **_moe_fields(d, architecture),
+            **_gemma_fields(d, architecture),
+            quantization_config=read_int4_checkpoint_format(d.get("quantization_config")),
         )
 
 
@@ -187,6 +224,9 @@ def _check_architecture(architecture: str) -> None:
 def _rope(d: dict[str, Any], architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) with rope_scaling normalised to carry "rope_type"."""
     params = d.get("rope_parameters")
+    if architecture == "Gemma3ForCausalLM":  # the global layers' (Gemma 3 keys RoPE by layer type)
+        d = _gemma3_rope_config(d, "full_attention")
+        params = d.get("rope_parameters")
     if isinstance(params, dict):
         theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
         scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING}
@@ -277,7 +317,10 @@ def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
     `use_sliding_window`, and then only on layers from `max_window_layers` on. qiao supports all
     or none."""
     window = d.get("sliding_window")
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") or window is None:
+    # Gemma: the window of the layers `layer_types` names sliding (`_gemma_fields`).
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", *_GEMMA_ARCHITECTURES):
+        return window
+    if window is None:
         return window
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
@@ -295,3 +338,70 @@ def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
             "(max_window_layers); qiao supports a window on all layers or none"
         )
     return window if num_sliding else None
+
+
+_GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma_fields(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Gemma 2 / 3: per-layer window alternation, soft-capping, the attention scale, the
+    activation (`hidden_activation`) and Gemma 3's RoPE base for sliding layers."""
+    if architecture not in _GEMMA_ARCHITECTURES:
+        return {}
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(
+            "use_bidirectional_attention: bidirectional (encoder) Gemma is not supported; "
+            "set it to false"
+        )
+    num_layers = _required(d, "num_hidden_layers")
+    # transformers 4 configs: Gemma 2 alternates from a sliding layer 0; Gemma 3 has one global
+    # layer in every `sliding_window_pattern` (6).
+    pattern = 2 if architecture == "Gemma2ForCausalLM" else d.get("sliding_window_pattern") or 6
+    layer_types = tuple(
+        d.get("layer_types")
+        or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    )
+    if len(layer_types) != num_layers or not set(layer_types) <= _LAYER_TYPES:
+        raise ConfigError(
+            f"layer_types: need {num_layers} entries, each one of {sorted(_LAYER_TYPES)}; "
+            f"got {list(layer_types)}"
+        )
+    if "sliding_attention" in layer_types and not d.get("sliding_window"):
+        raise ConfigError("sliding_window: required when layer_types has sliding_attention layers")
+    fields: dict[str, Any] = dict(
+        layer_types=layer_types,
+        attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
+    )
+    if architecture == "Gemma3ForCausalLM":
+        local_theta, local_scaling = _rope(_gemma3_rope_config(d, "sliding_attention"), "")
+        if local_scaling is not None:
+            raise ConfigError(
+                "rope_parameters.sliding_attention: scaled RoPE on sliding layers is not "
+                "supported; use rope_type default"
+            )
+        fields["rope_local_theta"] = local_theta
+    return fields
+
+
+_LAYER_TYPES = {"sliding_attention", "full_attention"}
+_GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+def _gemma3_rope_config(d: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """A Gemma 3 config.json seen as one layer type's plain RoPE config. transformers 5 keys
+    `rope_parameters` by layer type; transformers 4 wrote `rope_theta` and `rope_scaling` for
+    the global layers and `rope_local_base_freq` for the sliding ones."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return {**d, "rope_parameters": params[layer_type]}
+    rest = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling")}
+    if layer_type == "full_attention":
+        theta = d.get("rope_theta", _GEMMA3_DEFAULT_THETA[layer_type])
+        return {**rest, "rope_theta": theta, "rope_scaling": d.get("rope_scaling")}
+    theta = d.get("rope_local_base_freq", _GEMMA3_DEFAULT_THETA[layer_type])
+    return {**rest, "rope_theta": theta}

@@ -19,6 +19,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("qiao.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("qiao.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qiao.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("qiao.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("qiao.models.gemma", "Gemma3ForCausalLM"),
 }
 
 

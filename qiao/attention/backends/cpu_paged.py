@@ -7,7 +7,9 @@ no padded copy and no mask tensor, and measured faster than SDPA on prompts too 
 prompts, 16 at a time: 3.7 vs 6.7 ms per layer). Elsewhere the scalar kernel takes the decode
 tokens, and prompt chunks go through SDPA: whole fresh prompts of one length causally over the
 step's own K/V (no gather, no mask), other chunks over their gathered context (the reference
-backend's path), the faster forms there. The reference backend is the oracle.
+backend's path), the faster forms there. Soft-capped scores (Gemma 2): the kernel caps them
+itself; prompt chunks off the kernel take the reference backend's soft-capped path (SDPA has no
+cap). The reference backend is the oracle.
 
 `CpuInvariantBackend` (batch-invariant engines) sends every row through the kernel even without
 its AVX-512 form: a token's attention then never depends on whether its prompt came whole, in
@@ -70,6 +72,7 @@ class CpuPagedBackend(AttentionBackend):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self.ops.write_kv(kv_cache, key, value, metadata.slot_mapping)
         layout = (kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
@@ -88,18 +91,21 @@ class CpuPagedBackend(AttentionBackend):
                 metadata.seq_lens,
                 scale,
                 sliding_window or 0,
+                softcap or 0.0,
             ).to(query.dtype)
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan(metadata, query.device)
         plan: _Plan = metadata.backend_plan
         # The scalar kernel computes in the cache's dtype; SDPA in the query's.
+        window = sliding_window
         if plan.all_decode:
-            return self._decode(query, kv_cache, metadata, plan, scale, sliding_window)
+            return self._decode(query, kv_cache, metadata, plan, scale, window, softcap)
         out = torch.empty_like(query)
         if plan.decode_rows is not None:
             rows = plan.decode_rows
-            out[rows] = self._decode(query[rows], kv_cache, metadata, plan, scale, sliding_window)
-        if plan.fresh is not None and (sliding_window is None or plan.fresh[2] <= sliding_window):
+            out[rows] = self._decode(query[rows], kv_cache, metadata, plan, scale, window, softcap)
+        fresh_fits = plan.fresh is not None and (window is None or plan.fresh[2] <= window)
+        if fresh_fits and softcap is None:
             first, num, length = plan.fresh
             end = first + num * length
             out[first:end] = _causal(
@@ -108,7 +114,9 @@ class CpuPagedBackend(AttentionBackend):
         elif plan.prefill_ids is not None:
             if plan.prefill is None:
                 plan.prefill = plan_group(metadata, plan.prefill_ids, query.device)
-            grid = attend_group(query, kv_cache, metadata, plan.prefill, scale, sliding_window)
+            grid = attend_group(
+                query, kv_cache, metadata, plan.prefill, scale, sliding_window, softcap
+            )
             out[plan.prefill.valid_rows] = grid.flatten(0, 1)[plan.prefill.valid_slots]
         return out
 
@@ -120,6 +128,7 @@ class CpuPagedBackend(AttentionBackend):
         plan: _Plan,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
         if plan.decode_seq_ids is not None:
@@ -133,6 +142,7 @@ class CpuPagedBackend(AttentionBackend):
             seq_lens,
             scale,
             sliding_window or 0,
+            softcap or 0.0,
         ).to(query.dtype)
 
 

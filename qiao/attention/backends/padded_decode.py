@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from qiao.attention.backends.base import AttentionBackend
-from qiao.attention.backends.torch_ref import write_kv
+from qiao.attention.backends.torch_ref import softcapped_attention, write_kv
 from qiao.attention.metadata import AttentionMetadata
 from qiao.attention.registry import get_attention_backend, resolve_backend_name
 
@@ -49,6 +49,7 @@ class PaddedDecodeBackend(AttentionBackend):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if not metadata.is_padded_decode:
             return self._fallback(kv_cache.device).forward(
@@ -60,10 +61,17 @@ class PaddedDecodeBackend(AttentionBackend):
                 scale=scale,
                 num_kv_heads=num_kv_heads,
                 sliding_window=sliding_window,
+                softcap=softcap,
             )
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         return padded_decode_attention(
-            query, kv_cache, metadata.block_tables, metadata.seq_lens, scale, sliding_window
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            scale,
+            sliding_window,
+            softcap,
         )
 
     def _fallback(self, device: torch.device) -> AttentionBackend:
@@ -79,6 +87,7 @@ def padded_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context, with shapes fixed by the inputs'.
 
@@ -86,7 +95,7 @@ def padded_decode_attention(
     the cache); kv_cache [2, num_blocks_total, block_size, Hkv, D]; block_tables [S, W] (any
     integer dtype; entries past a sequence's blocks may be any valid block id); seq_lens [S],
     each >= 1. Returns [S, H, D]. The query sees keys at positions < seq_lens[i], and
-    >= seq_lens[i] - sliding_window when a window is set.
+    >= seq_lens[i] - sliding_window when a window is set; scores soft-capped with `softcap`.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -102,6 +111,10 @@ def padded_decode_attention(
     context.masked_fill_(~is_valid[None, :, :, None, None], 0)
     key, value = (t.to(query.dtype).transpose(1, 2) for t in context)  # [S, Hkv, L, D]
     group = num_heads // num_kv_heads
+    if softcap is not None:
+        mask = is_valid[:, None, None, :]  # [S, 1, 1, L]
+        out = softcapped_attention(query[:, :, None], key, value, mask, scale, softcap)
+        return out.reshape(num_seqs, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         query.view(num_seqs, num_kv_heads, group, head_dim),
         key,

@@ -4,6 +4,8 @@ Each step's sequences split into two groups, decode (one query token) and prefil
 padding queries to the longest in the group wastes little. A group is one
 `scaled_dot_product_attention` call over its queries padded to [S, max_query_len, H, D] and its
 contexts gathered from the cache through the block tables into [S, max_seq_len, Hkv, D].
+Soft-capped scores (Gemma 2) take `softcapped_attention`, the same math written out, since SDPA
+has no hook between the scores and the softmax.
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_groups(metadata, query.device)
         for group in metadata.backend_plan:
-            grid = attend_group(query, kv_cache, metadata, group, scale, sliding_window)
+            grid = attend_group(query, kv_cache, metadata, group, scale, sliding_window, softcap)
             out[group.valid_rows] = grid.flatten(0, 1)[group.valid_slots]
         return out
 
@@ -109,29 +112,53 @@ def attend_group(
     group: Group,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the group's padded query grid: [S, Q, H, D]."""
-    key, value = (t.to(query.dtype) for t in _gather_context(kv_cache, metadata, group))
+    context = _gather_context(kv_cache, metadata, group, sliding_window)
+    key, value = (t.to(query.dtype) for t in context)
     key_positions = torch.arange(group.max_seq_len, device=query.device)
     # [S, Q, K]: causal, and within the window when there is one.
     mask = key_positions[None, None, :] <= group.query_positions[:, :, None]
     if sliding_window is not None:
         mask &= key_positions[None, None, :] > group.query_positions[:, :, None] - sliding_window
+    args = (query[group.query_rows].transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    if softcap is not None:
+        return softcapped_attention(*args, mask[:, None], scale, softcap).transpose(1, 2)
     grid = F.scaled_dot_product_attention(
-        query[group.query_rows].transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
+        *args, attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
     return grid.transpose(1, 2)
 
 
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """softmax(softcap * tanh(scale * q.k / softcap)) v over the visible keys, as Hugging Face's
+    eager Gemma 2 attention computes it. query [B, H, Q, D]; key and value [B, Hkv, K, D];
+    mask [B, 1, Q, K] (True: visible; every row sees at least one key). Returns [B, H, Q, D]."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
 def _gather_context(
-    kv_cache: torch.Tensor, metadata: AttentionMetadata, group: Group
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    group: Group,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's contexts as K and V of [S, max_seq_len, Hkv, D], zero past each seq_len.
+    """The group's contexts as K and V of [S, max_seq_len, Hkv, D], zero past each seq_len and,
+    with a window, before the first query's window (those blocks may have been freed).
 
     Slots past a sequence's length hold whatever the cache held (possibly NaN); masking alone
     would not stop a NaN there from reaching the output, zeroing does.
@@ -142,6 +169,9 @@ def _gather_context(
     # [2, num_blocks_total, B, Hkv, D] -> [2, S, num_blocks * B, Hkv, D]
     context = kv_cache[:, block_table].flatten(2, 3)[:, :, : group.max_seq_len]
     positions = torch.arange(group.max_seq_len, device=context.device)
-    is_past_end = positions[None, :] >= group.seq_lens[:, None]
-    context = context.masked_fill(is_past_end[None, :, :, None, None], 0)
+    is_hidden = positions[None, :] >= group.seq_lens[:, None]
+    if sliding_window is not None:
+        # E.g. first query at 10, window 4: positions <= 6 are out of every query's window.
+        is_hidden |= positions[None, :] <= group.query_positions[:, :1] - sliding_window
+    context = context.masked_fill(is_hidden[None, :, :, None, None], 0)
     return context[0], context[1]

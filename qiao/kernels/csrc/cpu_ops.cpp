@@ -119,7 +119,7 @@ constexpr int64_t kMaxBlockSize = 128;
 template <typename T, int64_t block_size_c, int64_t head_dim_c>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                           const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                          const torch::Tensor& seq_lens, double scale, int64_t window) {
+                          const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = head_dim_c > 0 ? head_dim_c : q.size(2);
   const int64_t block_size = block_size_c > 0 ? block_size_c : kv_cache.size(2);
@@ -143,6 +143,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   const auto tiles = query_tiles(qsl, num_seqs);
 
   const float fscale = static_cast<float>(scale);
+  const float fsoftcap = static_cast<float>(softcap);  // > 0: scores become cap * tanh(s / cap)
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = kQueryTile * group;  // (token, head) rows of a tile
@@ -193,7 +194,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
               for (int64_t d = 0; d < head_dim; ++d) dot += qv[d] * kr[d];
-              sc[i] = dot;
+              sc[i] = fsoftcap > 0.f ? fsoftcap * std::tanh(dot / fsoftcap) : dot;
             }
             float bmax = m[r];
             for (int64_t i = lo; i <= hi; ++i) bmax = std::max(bmax, sc[i]);
@@ -267,6 +268,18 @@ inline __m512 exp_nonpositive_ps(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ), _mm512_scalef_ps(p, n));
 }
 
+// cap * tanh(x / cap) on 16 lanes (Gemma 2's soft-capped scores): tanh(|y|) = (1 - e) / (1 + e)
+// with e = exp(-2|y|) <= 1, the sign put back after.
+inline __m512 softcap_ps(__m512 x, float cap) {
+  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+  const __m512 abs_y = _mm512_abs_ps(y);
+  const __m512 e = exp_nonpositive_ps(_mm512_mul_ps(abs_y, _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 sign = _mm512_and_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm512_mul_ps(_mm512_or_ps(t, sign), _mm512_set1_ps(cap));
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's top half
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -281,7 +294,7 @@ inline __m512 load16(const c10::Half* p) {  // AVX-512F converts 16 halves in on
 template <typename Q, typename T, int64_t D>
 void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                             const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                            const torch::Tensor& seq_lens, double scale, int64_t window) {
+                            const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   constexpr int64_t C = D / 16;  // vectors per head row
   constexpr int64_t kLanes = 16;
   constexpr int64_t kPrefetchAhead = 3;
@@ -314,6 +327,7 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
   const int64_t row_floats = heads_per_item * D;  // floats of one position an item reads
 
   const float fscale = static_cast<float>(scale);
+  const float fsoftcap = static_cast<float>(softcap);  // > 0: scores become cap * tanh(s / cap)
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = kQueryTile * heads_per_item * group;  // (token, head) rows of an item
@@ -402,7 +416,9 @@ void paged_attention_avx512(torch::Tensor& out, const torch::Tensor& q, const to
               for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + c * 16), a);
               dots[i] = a;
             }
-            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), visible, sum16(dots));
+            __m512 raw = sum16(dots);
+            if (fsoftcap > 0.f) raw = softcap_ps(raw, fsoftcap);
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), visible, raw);
             const float bmax = std::max(m[r], _mm512_reduce_max_ps(scores));
             const float correction = m[r] == neg_inf ? 0.f : exp_nonpositive(m[r] - bmax);
             m[r] = bmax;
@@ -591,7 +607,7 @@ bool attention_vectorized(const torch::Tensor& kv_cache) {
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                              int64_t window) {
+                              int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous());
   // The AVX-512 path also takes a float32 query over a 16-bit cache; the scalar one does not.
   const auto cache_type = kv_cache.scalar_type();
@@ -616,7 +632,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                        : &paged_attention_avx512<c10::BFloat16, c10::BFloat16, D>;
       else if (cache_type == torch::kHalf)
         kernel = mixed ? &paged_attention_avx512<float, c10::Half, D> : &paged_attention_avx512<c10::Half, c10::Half, D>;
-      kernel(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+      kernel(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap);
       done = true;
     };
     run(std::integral_constant<int64_t, 64>{});
@@ -631,7 +647,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](auto block_size_c, auto head_dim_c) {
       paged_attention_impl<scalar_t, decltype(block_size_c)::value, decltype(head_dim_c)::value>(
-          out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+          out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap);
     };
     using C0 = std::integral_constant<int64_t, 0>;
     using C16 = std::integral_constant<int64_t, 16>;
@@ -852,7 +868,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32_available", &linear_f32_available, "whether linear_f32 is vectorised here");
   m.def("pack_linear_f32", &pack_linear_f32, "float32 weight [N, K] -> linear_f32's packed layout");
   m.def("linear_f32", &linear_f32, "x @ w^T + bias over a weight packed by pack_linear_f32");
-  m.def("paged_attention", &paged_attention, "attention of new tokens over the paged KV cache");
+  // softcap > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: plain scores.
+  m.def("paged_attention", &paged_attention, "attention of new tokens over the paged KV cache",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap") = 0.0);
   m.def("attention_vectorized", &attention_vectorized,
         "whether paged_attention runs its AVX-512 path for this KV cache");
   m.def("write_kv", &write_kv, "store new K/V rows into their paged-cache slots");
