@@ -21,7 +21,12 @@ from test_models_numerics import PagedRunner
 from qiao import LLM, SamplingParams
 from qiao.distributed import parallel_state
 from qiao.errors import ConfigError, ModelLoadError
-from qiao.layers.fused_moe import FusedMoE, fused_moe_reference, select_experts
+from qiao.layers.fused_moe import (
+    FusedMoE,
+    fused_moe_dense,
+    fused_moe_reference,
+    select_experts,
+)
 from qiao.models import get_model_class, load_arch_config, load_model
 from qiao.models.arch_config import ArchConfig
 from qiao.models.loader import find_weight_files, iter_safetensors
@@ -50,18 +55,26 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int, renormali
     num_experts=st.integers(1, 12),
     top_k=st.integers(1, 4),
     renormalize=st.booleans(),
+    prepared=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_grouped_dispatch_equals_the_dense_reference(
-    num_tokens, num_experts, top_k, renormalize, seed
+    num_tokens, num_experts, top_k, renormalize, prepared, seed
 ):
+    """Unprepared (F.linear on the stacks) and prepared (each expert on the method a linear
+    layer of its shape gets: on an AVX-512 CPU the packed float32 kernel)."""
     top_k = min(top_k, num_experts)
     layer = _experts(num_experts, 16, 8, seed)
     hidden = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(seed + 1))
     weights, ids = _routing(num_tokens, num_experts, top_k, seed + 2, renormalize)
+    expected = fused_moe_reference(hidden, weights, ids, layer.gate_up_proj, layer.down_proj)
+    # The sync-free form CUDA graphs capture.
+    dense = fused_moe_dense(hidden, weights, ids, layer.gate_up_proj, layer.down_proj)
+    torch.testing.assert_close(dense, expected, atol=1e-5, rtol=1e-5)
+    if prepared:
+        layer.prepare(None)
     with torch.inference_mode():
         out = layer(hidden, weights, ids)
-    expected = fused_moe_reference(hidden, weights, ids, layer.gate_up_proj, layer.down_proj)
     assert out.shape == (num_tokens, 16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -243,11 +256,19 @@ def test_checkpoint_names_are_per_expert_and_stacked_ones_load_alike(tiny_checkp
     other.mkdir()
     (other / "config.json").write_text((path / "config.json").read_text())
     save_file(stacked, other / "model.safetensors")
-    cpu = torch.device("cpu")
-    one = load_model(path, arch, dtype=torch.float32, device=cpu).state_dict()
-    two = load_model(other, arch, dtype=torch.float32, device=cpu).state_dict()
+    one, two = (_loaded(arch, directory) for directory in (path, other))
     assert one.keys() == two.keys()
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def _loaded(arch: ArchConfig, path: Path) -> dict[str, torch.Tensor]:
+    """The parameters as loaded, before any linear method converts them."""
+    with torch.device("meta"):
+        model = get_model_class(arch)(arch)
+    model = model.to_empty(device="cpu")
+    tensors = iter_safetensors(find_weight_files(path))
+    assert model.load_weights(tensors) >= model.expected_weight_names()
+    return dict(model.named_parameters())
 
 
 def test_a_missing_expert_tensor_is_named(tiny_checkpoint, tmp_path):
@@ -332,10 +353,13 @@ def test_int8_experts_match_the_reference_on_their_dequantized_weights():
     layer = _experts(6, 32, 16, seed=9)
     dense_gate_up, dense_down = layer.gate_up_proj.clone(), layer.down_proj.clone()
     layer.prepare("int8")
-    assert layer.gate_up_proj.dtype == torch.int8 and layer.gate_up_proj_scale.shape == (6, 32)
+    assert layer.gate_up_proj is None and layer.down_proj is None  # only the int8 copies kept
+    assert all(linear.method.name == "int8" for linear in layer.experts_gate_up)
+    assert layer.experts_gate_up[0].weight.dtype == torch.int8
+    assert layer.experts_gate_up[0].weight_scale.shape == (32,)  # per expert and channel
     dequantized = [
-        layer.gate_up_proj.float() * layer.gate_up_proj_scale[..., None],
-        layer.down_proj.float() * layer.down_proj_scale[..., None],
+        torch.stack([linear.weight.float() * linear.weight_scale[:, None] for linear in stack])
+        for stack in (layer.experts_gate_up, layer.experts_down)
     ]
     assert (dequantized[0] - dense_gate_up).abs().max() <= dense_gate_up.abs().max() / 254 + 1e-6
     assert (dequantized[1] - dense_down).abs().max() <= dense_down.abs().max() / 254 + 1e-6
@@ -355,7 +379,7 @@ def test_int8_model_loads_and_generates(tiny_checkpoint):
     cpu = torch.device("cpu")
     int8 = load_model(path, arch, dtype=torch.float32, device=cpu, quantization="int8")
     experts = int8.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.int8 and experts.down_proj.dtype == torch.int8
+    assert all(m.method.name == "int8" for m in [*experts.experts_gate_up, *experts.experts_down])
     assert int8.model.layers[0].mlp.gate.weight.dtype == torch.float32  # routing unquantized
     llm = LLM(str(path), quantization="int8", profile=None)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -12,6 +12,12 @@ token's contributions are added in increasing expert order, as transformers adds
 `fused_moe_reference` (every expert on every token, weighted by a dense [T, E] routing matrix)
 is its test oracle.
 
+The dispatch reads the experts' token counts on the host (one sync per layer), which a CUDA graph
+cannot capture; while a graph is captured (pure-decode steps, qiao/runner/cuda_graphs.py) the
+layer runs `fused_moe_dense` instead: every expert on every row, weighted by a dense routing
+matrix, with no host sync. A decode step of a few dozen tokens reads most experts' weights
+either way; it costs E / k times the matmul work, where decode is bound by the weight reads.
+
 Weights: gate_up [E, 2 I, H] (gate rows, then up rows) and down [E, H, I], the layout
 transformers 5 keeps in memory. They load from the per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, `.up_proj.`, `.down_proj.`, what the hub's checkpoints and
@@ -21,9 +27,11 @@ does (gate and up by rows, down by columns, as column- and row-parallel layers):
 every expert on its slice and the partial sums are all-reduced once, as a row-parallel layer's.
 The router is replicated: every rank routes the same tokens to the same experts.
 
-int8 (`prepare_experts(..., quantization="int8")`): each expert's matrices are quantized per
-output channel as a linear layer's (`quantize_int8`, scales [E, rows]) and multiplied as
-`Int8Method` does: the C++ kernel for few rows, the bfloat16 reference for more.
+Once loaded (`prepare_experts`), each expert's two matrices become linear layers over views of
+the stacks, with the `LinearMethod` a dense layer of that shape gets (qiao/layers/linear_method.py):
+on an AVX-512 CPU in float32 the packed C++ kernel, oneDNN in bfloat16 (its row buckets), with
+`quantization="int8"` weight-only int8 per expert and output channel (`Int8Method`), with
+`batch_invariant` tiles of a fixed row count.
 """
 
 from __future__ import annotations
@@ -36,16 +44,8 @@ from torch import nn
 
 from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
 from qiao.errors import ConfigError, ModelLoadError
-from qiao.kernels import ops_for
-from qiao.layers.linear import copy_checked
-from qiao.layers.linear_method import (
-    INT8_KERNEL_MAX_ROWS,
-    INVARIANT_TILE,
-    bucketed_matmul,
-    int8_linear_reference,
-    quantize_int8,
-    tiled_matmul,
-)
+from qiao.layers.linear import LinearBase, copy_checked
+from qiao.layers.linear_method import choose_method
 
 # (rows [n, K], expert) -> [n, N]: one expert's matrix applied to its segment.
 ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]
@@ -98,6 +98,23 @@ def fused_moe(
     return torch.zeros_like(hidden).index_add_(0, token_of, out)
 
 
+def fused_moe_dense(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_moe` without a host sync (CUDA graph capture): batched matmuls over every expert
+    in the activations' dtype, [E, T, .] intermediates."""
+    dense = torch.zeros(
+        hidden.shape[0], w_gate_up.shape[0], dtype=hidden.dtype, device=hidden.device
+    ).scatter_add_(1, topk_ids, topk_weights.to(hidden.dtype))
+    gate, up = torch.matmul(hidden, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    expert_out = torch.matmul(F.silu(gate) * up, w_down.transpose(1, 2))  # [E, T, H]
+    return (expert_out * dense.T[..., None]).sum(dim=0)
+
+
 def fused_moe_reference(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -130,8 +147,9 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False
         )
-        self.quantization: str | None = None
-        self.tile: int | None = None
+        # Per-expert linear layers, made by `prepare` once the weights are in.
+        self.experts_gate_up: nn.ModuleList | None = None
+        self.experts_down: nn.ModuleList | None = None
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
@@ -163,80 +181,79 @@ class FusedMoE(nn.Module):
         else:
             copy_checked(param.data[expert], loaded_weight.narrow(1, tp_rank() * size, size))
 
-    def prepare(self, quantization: str | None, batch_invariant: bool = False) -> None:
-        """Once after loading: int8 storage with `quantization="int8"`; batch-invariant matmuls
-        (tiles of exactly INVARIANT_TILE rows) with `batch_invariant`."""
+    def prepare(
+        self, quantization: str | None, batch_hint: int = 128, batch_invariant: bool = False
+    ) -> None:
+        """Once after loading: every expert's two matrices become linear layers with the method
+        `choose_method` gives a dense layer of that shape (`experts_gate_up[e]`,
+        `experts_down[e]`): packed for the CPU kernel, oneDNN, int8 or batch-invariant tiles.
+        The stacked parameters stay only where those layers compute on views of them."""
         if quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization: {quantization!r} is not supported for mixture-of-experts "
                 f"weights; supported: {', '.join(str(q) for q in QUANTIZATIONS)}"
             )
-        self.tile = INVARIANT_TILE if batch_invariant else None
-        self.quantization = quantization
-        if quantization == "int8":
-            for name in ("gate_up_proj", "down_proj"):
-                weight = getattr(self, name).detach()
-                qweight, scale = quantize_int8(weight.flatten(0, 1))
-                delattr(self, name)
-                self.register_buffer(name, qweight.view(weight.shape), persistent=False)
-                self.register_buffer(
-                    f"{name}_scale", scale.view(weight.shape[:2]), persistent=False
+        for name in _STACKED:
+            linears = nn.ModuleList(_expert_linear(weight) for weight in getattr(self, name))
+            for linear in linears:
+                linear.method = choose_method(
+                    linear.weight,
+                    quantization=quantization,
+                    batch_hint=batch_hint,
+                    batch_invariant=batch_invariant,
                 )
+                linear.method.prepare(linear)
+            setattr(self, f"experts_{name.removesuffix('_proj')}", linears)
+            stack = getattr(self, name).untyped_storage().data_ptr()
+            if any(linear.weight.untyped_storage().data_ptr() != stack for linear in linears):
+                delattr(self, name)  # the methods hold converted copies
+                self.register_parameter(name, None)
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T, H], routing [T, k] -> the experts' weighted sum [T, H], summed over ranks."""
-        return all_reduce(
-            fused_moe(
-                hidden,
-                topk_weights,
-                topk_ids,
-                self.num_experts,
-                lambda rows, e: self._matmul("gate_up_proj", rows, e),
-                lambda rows, e: self._matmul("down_proj", rows, e),
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            return all_reduce(self._forward_dense(hidden, topk_weights, topk_ids))
+        if self.experts_gate_up is None:  # not prepared (tests): F.linear on the stacks
+            gate_up = lambda rows, e: F.linear(rows, self.gate_up_proj[e])  # noqa: E731
+            down = lambda rows, e: F.linear(rows, self.down_proj[e])  # noqa: E731
+        else:
+            gate_up = lambda rows, e: self.experts_gate_up[e](rows)  # noqa: E731
+            down = lambda rows, e: self.experts_down[e](rows)  # noqa: E731
+        moe = fused_moe(hidden, topk_weights, topk_ids, self.num_experts, gate_up, down)
+        return all_reduce(moe)
+
+    def _forward_dense(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if self.gate_up_proj is None or self.down_proj is None:
+            raise ConfigError(
+                "mixture-of-experts weights converted for their linear method (int8) cannot run "
+                "in a CUDA graph; set cuda_graphs to false"
             )
-        )
-
-    def _matmul(self, name: str, rows: torch.Tensor, expert: int) -> torch.Tensor:
-        weight = getattr(self, name)[expert]
-        if self.quantization == "int8":
-            scale = getattr(self, f"{name}_scale")[expert]
-            return self._rows(lambda r: _int8_matmul(r, weight, scale), rows)
-        return self._rows(lambda r: F.linear(r, weight), rows)
-
-    def _rows(self, matmul: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
-        """As a linear layer's method: batch-invariant tiles, or on the CPU in bfloat16 (oneDNN,
-        a primitive per row count) the rows' bucket (linear_method.row_bucket)."""
-        if self.tile is not None:
-            return tiled_matmul(matmul, rows, self.tile)
-        if rows.device.type == "cpu" and rows.dtype == torch.bfloat16:
-            return bucketed_matmul(matmul, rows)
-        return matmul(rows)
+        return fused_moe_dense(hidden, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
 
 
-def _int8_matmul(rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """rows [n, K] x int8 [N, K] * scale [N] in the rows' dtype, as `Int8Method.apply`."""
-    rows16 = rows.to(torch.bfloat16)
-    ops = ops_for(rows16)
-    if ops is not None and rows16.shape[0] <= INT8_KERNEL_MAX_ROWS:
-        out = ops.int8_linear(rows16.float(), qweight, scale, _EMPTY)
-    else:
-        out = int8_linear_reference(rows16, qweight, scale, None)
-    return out.to(rows.dtype)
+_STACKED = ("gate_up_proj", "down_proj")
 
 
-_EMPTY = torch.empty(0)
+def _expert_linear(weight: torch.Tensor) -> LinearBase:
+    """A linear layer over one expert's [N, K] slice of a stacked weight (a view, no copy)."""
+    with torch.device("meta"):
+        linear = LinearBase(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def prepare_experts(
-    model: nn.Module, *, quantization: str | None, batch_invariant: bool = False
+    model: nn.Module, *, quantization: str | None, batch_hint: int, batch_invariant: bool = False
 ) -> None:
-    """`FusedMoE.prepare` on every expert layer of a loaded model (the loader calls it beside
+    """`FusedMoE.prepare` on every expert layer of a loaded model (the loader calls it after
     `prepare_linears`)."""
     for module in model.modules():
         if isinstance(module, FusedMoE):
-            module.prepare(quantization, batch_invariant)
+            module.prepare(quantization, batch_hint, batch_invariant)
 
 
 def expert_shard(part_name: str) -> tuple[str, int | None]:

@@ -72,7 +72,9 @@ def load_model(
     prepare_linears(
         model, quantization=quantization, batch_hint=batch_hint, batch_invariant=batch_invariant
     )
-    prepare_experts(model, quantization=quantization, batch_invariant=batch_invariant)
+    prepare_experts(
+        model, quantization=quantization, batch_hint=batch_hint, batch_invariant=batch_invariant
+    )
     return model.eval()
 
 
