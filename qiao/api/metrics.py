@@ -437,6 +437,7 @@ class _EngineCollector(Collector):
                     s["num_computed_tokens_total"],
                 )
             _add_supervision(add, label, s)
+            _add_spec_decode(add, label, s)
             _add_replicas(families, names, label, s.get("replicas", []))
         for model, version, s in self.encoder_stats():
             _add_supervision(add, [model, version], s)
@@ -488,6 +489,20 @@ def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
     E.g. [2, 0, 1, ...] -> [("1", 2), ("8", 2), ("16", 3), ...]."""
     bounds = [*(floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
     return list(zip(bounds, itertools.accumulate(counts), strict=True))
+
+
+def _add_spec_decode(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:
+    """Speculative decoding's counters (vLLM's `spec_decode_*`), when the engine speculates:
+    acceptance rate = accepted / draft tokens; tokens per verifying step = 1 + accepted / drafts."""
+    if "spec_decode_num_drafts" not in s:
+        return
+    C = CounterMetricFamily
+    for key, doc in (
+        ("num_drafts", "Request steps that verified draft tokens."),
+        ("num_draft_tokens", "Draft tokens proposed and verified."),
+        ("num_accepted_tokens", "Draft tokens accepted (equal to the target's own)."),
+    ):
+        add(C, f"qiao:spec_decode_{key}", doc, label, s[f"spec_decode_{key}"])
 
 
 def _add_supervision(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:
