@@ -20,6 +20,15 @@ nothing cached is evicted while fresh blocks remain). A smaller reserve keeps th
 uses near its load instead of cycling through the pool; that matters where a block's first touch
 is dear (a CPU pool left to fault in on first use, `QIAO_KV_PREFAULT=0`: on a VM whose host backs
 guest memory lazily, ~3 ms per 2 MiB).
+
+Sliding window (`sliding_window`, set only when every layer of the model attends within one):
+a request's blocks that lie wholly before the window of its next computed token are never read
+again, so `allocate_slots` hands them back while the request runs. Its block table keeps their
+places as None entries (`get_block_ids` reports block 0 there, a valid id attention never reads
+through: the window masks those positions). They go to the free queue like any freed block,
+keeping their prefix hash: a later request with the same prefix may take one back only while it
+still holds that prefix (reuse drops the hash), and a prefix hit is a chain from the first
+block, so it never reaches past a block that was reused.
 """
 
 from __future__ import annotations
@@ -59,14 +68,18 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         cache_reserve: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """`cache_reserve`: freed blocks kept (as prefix cache) before fresh ones are handed out;
-        default the whole pool. Without prefix caching nothing is kept."""
+        default the whole pool. Without prefix caching nothing is kept. `sliding_window`: the
+        window every layer attends within (None: some layer sees the whole context); blocks
+        that fall out of it are freed as requests advance."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         reserve = num_blocks if cache_reserve is None else cache_reserve
         self.cache_reserve = reserve if enable_prefix_caching else 0
+        self.sliding_window = sliding_window
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks handed out before and now unreferenced, least recently freed first (uncached
         # ones at the front). Cached ones keep their hash here.
@@ -74,7 +87,10 @@ class BlockManager:
         # Blocks next_fresh.. were never handed out (their memory may never have been touched).
         self.next_fresh = 0
         self.cached: dict[bytes, KVBlock] = {}
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # A request's block table; None where a block out of the window was freed.
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
+        # How many leading entries of each request's table were freed out of the window.
+        self.num_windowed_out: dict[str, int] = {}
         # How many leading blocks of each request were already offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, for metrics.
@@ -121,12 +137,15 @@ class BlockManager:
         """Make room for `num_new_tokens` after the request's computed ones; False if it can't.
 
         `computed_blocks` are prefix-cache hits for a request being admitted. On False nothing
-        changed. Blocks that become full in this step are registered in the prefix cache now: the
+        changed but the release of blocks out of the window (which happens either way). Blocks
+        that become full in this step are registered in the prefix cache now: the
         runner writes every K/V of a step before any attention reads, so a request admitted later
         in the same step may already share them.
         """
         computed_blocks = computed_blocks or []
         owned = self.req_to_blocks.get(request.request_id, [])
+        if self.sliding_window is not None:
+            self._free_out_of_window(request, owned)
         num_total = request.num_computed_tokens + num_new_tokens
         num_required = self.blocks_needed(num_total) - len(owned) - len(computed_blocks)
         # Hits sitting in the free queue stop being free once referenced.
@@ -152,21 +171,26 @@ class BlockManager:
         are the request's own (a prefix hit never lies past the written tokens).
         """
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_windowed_out.pop(request.request_id, None)
         owned = self.req_to_blocks.pop(request.request_id, [])
         if num_written_tokens is not None:
             for block in owned[num_written_tokens // self.block_size :]:
+                if block is None:
+                    continue
                 if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
         for block in reversed(owned):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
-                if block.block_hash is None:  # no prefix to keep: reused first
-                    self.free_queue.move_to_end(block.block_id, last=False)
+            if block is not None:
+                self._release(block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block table; 0 in the places of blocks freed out of the window."""
+        return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks the request references now (its table less the entries freed)."""
+        return sum(b is not None for b in self.req_to_blocks.get(request_id, []))
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
@@ -176,8 +200,11 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is exact (used by tests)."""
         refs = [0] * self.num_blocks
-        for owned in self.req_to_blocks.values():
-            for block in owned:
+        for request_id, owned in self.req_to_blocks.items():
+            num_out = self.num_windowed_out.get(request_id, 0)
+            assert all(b is None for b in owned[:num_out]), "window-freed entries"
+            for block in owned[num_out:]:
+                assert block is not None, "a None entry past the window-freed ones"
                 refs[block.block_id] += 1
         for block in self.blocks:
             assert block.ref_cnt == refs[block.block_id], f"block {block.block_id} ref_cnt"
@@ -186,6 +213,30 @@ class BlockManager:
             assert block.block_id < self.next_fresh or block.block_hash is None, "fresh block"
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, "cache map"
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block.block_id] = block
+            if block.block_hash is None:  # no prefix to keep: reused first
+                self.free_queue.move_to_end(block.block_id, last=False)
+
+    def _free_out_of_window(self, request: Request, owned: list[KVBlock | None]) -> None:
+        """Release the request's blocks wholly before the window of its next computed token.
+
+        That token, at position num_computed_tokens, sees positions > it - sliding_window, and
+        every later token sees no earlier one. E.g. window 8, block size 4, next token at 13:
+        positions <= 5 are out, so block 0 (positions 0-3) goes; block 1 (4-7) stays.
+        """
+        lowest_seen = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(lowest_seen, 0) // self.block_size, len(owned))
+        start = self.num_windowed_out.get(request.request_id, 0)
+        if num_out <= start:
+            return
+        self.num_windowed_out[request.request_id] = num_out
+        for i in range(start, num_out):
+            block, owned[i] = owned[i], None
+            self._release(block)
 
     def _touch(self, block: KVBlock) -> None:
         if block.ref_cnt == 0:
@@ -222,7 +273,7 @@ class BlockManager:
         self.num_cached_blocks[request.request_id] = max(start, num_full)
         for i in range(start, num_full):
             block = owned[i]
-            if block.block_hash is not None:
+            if block is None or block.block_hash is not None:
                 continue
             block_hash = request.block_hashes[i]
             if block_hash in self.cached:

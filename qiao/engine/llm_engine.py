@@ -98,6 +98,8 @@ class LLMEngine:
             cache.block_size,
             cache.enable_prefix_caching,
             cache_reserve=round(cache.prefix_cache_reserve * self.num_kv_blocks),
+            # Every layer windowed: blocks out of the window are freed as requests advance.
+            sliding_window=self.arch.uniform_sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
