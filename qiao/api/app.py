@@ -35,6 +35,7 @@ from qiao.api.middleware import (
 )
 from qiao.api.openai_routes import router as openai_router
 from qiao.api.openapi import install_openapi
+from qiao.api.response_cache import CacheSettings, ResponseCache
 from qiao.api.settings import ServeSettings
 from qiao.engine.async_engine import EngineClient
 from qiao.repository.manager import ModelManager, Served
@@ -66,6 +67,26 @@ def _observe(metrics: ServerMetrics, served: Served) -> None:
         served.batcher.on_batch = metrics.batch_observer(served.model, served.version)
 
 
+def _track_versions(cache: ResponseCache, manager: ModelManager) -> None:
+    """Tell the response cache each version's build (through the loader), when a version takes
+    traffic and when it stops, so no entry outlives the build that made it."""
+    if manager.loader is not None:
+        manager.loader = cache.track_loader(manager.loader)
+    on_ready, on_stopped = manager.on_ready, manager.on_stopped
+
+    def ready(served: Served) -> None:
+        if on_ready is not None:
+            on_ready(served)
+        cache.version_ready(served)
+
+    def stopped(served: Served) -> None:
+        if on_stopped is not None:
+            on_stopped(served)
+        cache.version_stopped(served)
+
+    manager.on_ready, manager.on_stopped = ready, stopped
+
+
 def create_app(
     settings: ServeSettings,
     engine: EngineClient | None = None,
@@ -86,6 +107,8 @@ def create_app(
         raise ValueError("create_app needs an engine or a model manager")
     if manager.on_ready is None:
         manager.on_ready = lambda served: _observe(metrics, served)
+    cache = ResponseCache(CacheSettings.from_serve(settings), metrics.registry)
+    _track_versions(cache, manager)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -96,6 +119,7 @@ def create_app(
         finally:
             await app.state.batch_worker.stop()
             await manager.shutdown()
+            await cache.close()
             store = getattr(app.state, "store", None)
             if store is not None:
                 store.close()
@@ -111,6 +135,7 @@ def create_app(
     app.state.key_limiter = None
     app.state.keyring = None
     app.state.batch_worker = BatchWorker(app.state)
+    app.state.response_cache = cache
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(embeddings_router)

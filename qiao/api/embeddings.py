@@ -9,9 +9,10 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from qiao.api import response_cache
 from qiao.api.errors import APIError, as_api_error
 from qiao.api.keys import token_charger
 from qiao.api.limits import split_inputs
@@ -33,10 +34,11 @@ class EmbeddingRequest(BaseModel):
     # qiao extensions, as on the completion routes and KServe's parameters.
     priority: int | None = Field(None, ge=0, description="batcher priority level (1 = highest)")
     timeout_us: int | None = Field(None, ge=1, description="queue timeout (microseconds)")
+    cache: bool = Field(True, description="false: neither read nor write the response cache")
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     settings = request.app.state.settings
     served = resolve_model(request, body.model, body.user)
     if not isinstance(served, EncoderVersion):
@@ -46,6 +48,15 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
             param="model",
         )
     check_dimensions(body, served.encoder.dim)
+    cache = await response_cache.lookup(
+        request,
+        served,
+        "embeddings",
+        lambda: body.model_dump(mode="json", exclude={"user", "priority", "timeout_us", "cache"}),
+        skip=not body.cache,
+    )
+    if cache.hit is not None:
+        return cache.hit_response()
     token_ids = embedding_token_ids(body, served.tokenize, settings.max_prompts)
     try:
         vectors = await served.embed_ids(
@@ -62,7 +73,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
     if charge is not None:
         charge(num_tokens)
     # A response object of plain JSON types: FastAPI's encoder would walk every float again.
-    return JSONResponse(embedding_body(body, vectors, num_tokens))
+    return await cache.respond(JSONResponse(embedding_body(body, vectors, num_tokens)))
 
 
 def check_dimensions(body: EmbeddingRequest, dim: int) -> None:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qiao.api import response_cache
 from qiao.api.errors import as_api_error
 from qiao.api.keys import check_model_allowed, priority_for
 from qiao.api.kserve_reports import model_config, model_statistics
@@ -217,6 +218,15 @@ async def _infer(request: Request, model: str, version: str | None) -> Response:
     options = parse_options(parameters)
     check_model_allowed(request, model)
     served = _model_router(request).get(model, version, user=options.user)
+    cache = await response_cache.lookup(
+        request,
+        served,
+        "kserve.infer",
+        lambda: response_cache.kserve_fields(payload, binary),
+        skip=response_cache.kserve_skip_requested(payload),
+    )
+    if cache.hit is not None:
+        return cache.hit_response()
     entries = payload.get("inputs")
     if not isinstance(entries, list) or not entries:
         raise ConfigError("'inputs' must be a non-empty list")
@@ -230,7 +240,7 @@ async def _infer(request: Request, model: str, version: str | None) -> Response:
     results = await served.infer(inputs, priority=priority, timeout_us=options.timeout_us)
     selected = select_outputs(served, results, requested)
     binary_names = {n for n in (requested or results) if binary_outputs.get(n, default_binary)}
-    return _infer_response(served, payload.get("id"), selected, binary_names)
+    return await cache.respond(_infer_response(served, payload.get("id"), selected, binary_names))
 
 
 async def _read_body(request: Request) -> tuple[dict[str, Any], bytes]:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from qiao.api import response_cache
 from qiao.api.errors import APIError, as_api_error
 from qiao.api.keys import check_model_allowed, priority_for, token_charger
 from qiao.api.limits import (
@@ -125,6 +126,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     served = _llm(request, body)
     check_request_fields(body, state.settings)
+    cache = await _cache_lookup(request, served, "completions", body)
+    if cache.hit is not None:
+        return cache.replay(body)
     engine = served.engine
     prompts = completion_prompts(body, state.settings, engine.tokenizer, engine.vocab_size)
     job = _start(request, engine, body, prompts, body.logprobs, "prompt")
@@ -151,10 +155,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
             }
             return [{**base, "choices": [choice]}]
 
-        return _sse(job, chunks, base, body)
+        return cache.mark(_sse(job, chunks, base, body))
     samples = await collect(job, request)
     choices = completion_choices(body, prompts, samples, job, engine.tokenizer)
-    return {**base, "choices": choices, "usage": usage(job, samples)}
+    return await cache.respond_json({**base, "choices": choices, "usage": usage(job, samples)})
+
+
+async def _cache_lookup(
+    request: Request,
+    served: LLMVersion,
+    route: str,
+    body: CompletionRequest | ChatCompletionRequest,
+) -> response_cache.Lookup:
+    """The response cache's answer for a greedy or seeded request (qiao/api/response_cache.py)."""
+    return await response_cache.lookup(
+        request,
+        served,
+        route,
+        lambda: response_cache.body_fields(body),
+        cacheable=response_cache.is_deterministic(body),
+    )
 
 
 def completion_choices(
@@ -204,6 +224,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = request.app.state
     served = _llm(request, body)
     check_request_fields(body, state.settings)
+    cache = await _cache_lookup(request, served, "chat", body)
+    if cache.hit is not None:
+        return cache.replay(body)
     body, prompt_ids, parsing = prepare_chat(body, state.settings, served.engine.tokenizer)
     k = chat_top_logprobs(body)
     job = _start(request, served.engine, body, [prompt_ids], k, "messages")
@@ -262,10 +285,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 for i, d in enumerate(deltas)
             ]
 
-        return _sse(job, chunks, base, body, first)
+        return cache.mark(_sse(job, chunks, base, body, first))
     samples = await collect(job, request)
     response = {**base, "object": "chat.completion", **chat_fields(body, samples, job, parsing)}
-    return {**response, "usage": usage(job, samples)}
+    return await cache.respond_json({**response, "usage": usage(job, samples)})
 
 
 def prepare_chat(

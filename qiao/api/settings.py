@@ -323,6 +323,38 @@ class ServeSettings(_EngineFields):
         "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...; labels model_name, "
         "version), so a stock vLLM Grafana dashboard works unchanged",
     )
+    # --- response cache (qiao/api/response_cache.py) -------------------------------------------
+    response_cache: bool = Field(
+        False,
+        description="answer repeated deterministic requests (greedy or seeded completions and "
+        "chat, embeddings, KServe infers) from a cache of whole responses; header X-Qiao-Cache "
+        "says hit, miss or skip; a request's `cache: false` skips it (default: off)",
+    )
+    response_cache_max_bytes: int = Field(
+        256 << 20, ge=1024, description="with --response-cache: most bytes the memory cache holds"
+    )
+    response_cache_max_entries: int = Field(
+        100_000, ge=1, description="with --response-cache: most entries the memory cache holds"
+    )
+    response_cache_ttl: float = Field(
+        600.0, gt=0, description="with --response-cache: seconds an entry lives"
+    )
+    response_cache_backend: str = Field(
+        "memory",
+        description="with --response-cache: memory (this process, LRU) or redis://HOST:PORT/DB "
+        "(shared by replicas; bound its memory with maxmemory and allkeys-lru)",
+    )
+    response_cache_scope: Literal["key", "shared"] = Field(
+        "key",
+        description="with --response-cache: key: entries per API key (one key never sees "
+        "another's answers); shared: one cache for every key",
+    )
+    response_cache_namespace: str = Field(
+        "qiao",
+        min_length=1,
+        description="with a redis backend: prefix of this deployment's keys (replicas that "
+        "share answers share it)",
+    )
     config: Path | None = Field(None, description="settings file (.json, .toml, .yaml)")
 
     @field_validator(
@@ -332,6 +364,13 @@ class ServeSettings(_EngineFields):
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("response_cache_backend")
+    @classmethod
+    def _known_cache_backend(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be memory or a redis:// (rediss://, unix://) URL")
         return value
 
     @field_validator("model_repository", mode="before")

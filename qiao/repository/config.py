@@ -33,6 +33,9 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
       failures: 5                                         server's --breaker-* flag; >= 0,
       window: 30                                          0 = never opens; window and cooldown
       cooldown: 10                                        in seconds, > 0)
+    response_cache:                                      (any model; each key defaults to the
+      enabled: true                                       server's --response-cache[-ttl]; ttl
+      ttl: 60                                             in seconds, > 0)
     llm:                                                 (llm only; the `qiao serve` engine flags)
       max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
       enable_prefix_caching, block_size, kv_cache_memory, num_kv_blocks, kv_cache_dtype,
@@ -276,6 +279,14 @@ class CircuitBreakerSettings(_Section):
     cooldown: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
+class ResponseCacheSettings(_Section):
+    """The model's response cache (qiao/api/response_cache.py): on or off for this model (left
+    out: the server's --response-cache) and its entries' lifetime (left out: the server's)."""
+
+    enabled: bool | None = None
+    ttl: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class ModelConfigFile(_Section):
     """One model's config, validated; see the module docstring for the keys."""
 
@@ -290,6 +301,7 @@ class ModelConfigFile(_Section):
     )
     traffic: dict[str, float] | None = None
     circuit_breaker: CircuitBreakerSettings | None = None
+    response_cache: ResponseCacheSettings | None = None
     llm: LLMSettings | None = None
 
     @field_validator("precision_mode", mode="before")
