@@ -18,7 +18,7 @@ from qiao.errors import ConfigError
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
-QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("int8", "w8a8", "int4")
 SPECULATIVE_METHODS = ("ngram",)
 # CPU default for the KV cache when no budget is given: this share of RAM, capped below.
 DEFAULT_CPU_KV_FRACTION = 0.10
@@ -38,7 +38,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     seed: int = 0
     quantization: str | None = None  # "int8": weight-only int8 linears (per-channel scales);
-    # "w8a8": int8 weights and per-token int8 activations, int32 products
+    # "w8a8": int8 weights and per-token int8 activations, int32 products;
+    # "int4": group-wise 4-bit weights (implied by an AWQ / GPTQ checkpoint)
     # Every token's result independent of the batch it runs in (CPU; see linear_method).
     batch_invariant: bool = False
 
@@ -165,8 +166,6 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-@dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (qiao/lora): adapters on `max_loras` device slots, up to
     `max_cpu_loras` of them kept loaded on the CPU; `lora_modules` (name, folder) loaded at start."""
@@ -191,6 +190,8 @@ class LoRAConfig:
         )
 
 
+@dataclass(frozen=True)
+class EngineConfig:
     """Everything the engine needs, composed once and validated across parts."""
 
     model: ModelConfig
@@ -203,10 +204,10 @@ class LoRAConfig:
     tensor_parallel_size: int = 1
     # None: no speculative decoding.
     speculative: SpeculativeConfig | None = None
-
-    @classmethod
     # Multi-LoRA serving; None: off (no adapter can be loaded).
     lora: LoRAConfig | None = None
+
+    @classmethod
     def create(
         cls,
         model: str,
@@ -239,13 +240,13 @@ class LoRAConfig:
         num_speculative_tokens: int = 4,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
-    ) -> EngineConfig:
-        """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         lora_modules: Any = (),
+    ) -> EngineConfig:
+        """The flat keyword form the edges (`LLM(...)`, `qiao serve`) share."""
         return cls(
             model=ModelConfig(
                 model=model,
@@ -286,8 +287,6 @@ class LoRAConfig:
                 prompt_lookup_min=prompt_lookup_min,
                 prompt_lookup_max=prompt_lookup_max,
             ),
-        )
-
             lora=LoRAConfig(
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
@@ -296,6 +295,8 @@ class LoRAConfig:
             )
             if enable_lora
             else None,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for an engine process): `from_dict` rebuilds the same config."""
         return dataclasses.asdict(self)
@@ -312,33 +313,41 @@ class LoRAConfig:
             speculative=(
                 SpeculativeConfig(**data["speculative"]) if data.get("speculative") else None
             ),
+            lora=LoRAConfig(**data["lora"]) if data.get("lora") else None,
         )
 
-            lora=LoRAConfig(**data["lora"]) if data.get("lora") else None,
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
-            _require(
         _require(
             self.lora is None or self.tensor_parallel_size == 1,
             "enable_lora",
             "does not work with tensor_parallel_size > 1 yet (serve adapters on one rank)",
         )
+        if not self.scheduler.enable_chunked_prefill and self.model.max_model_len is not None:
+            _require(
                 self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
                 "max_num_batched_tokens",
                 f"must be >= max_model_len ({self.model.max_model_len}) without chunked prefill",
             )
 
 
-def _require(ok: bool, name: str, message: str) -> None:
-    if not ok:
 def parse_lora_modules(modules: Any) -> tuple[tuple[str, str], ...]:
     """(name, folder) pairs from vLLM's `--lora-modules` forms: "name=path", a JSON object
-    string '{"name": ..., "path": ...}', a dict of either shape ({name: path} too), or pairs.
+    string '{"name": ..., "path": ...}', a dict of either shape ({name: path} too), or pairs;
+    one string may hold several name=path entries (space- or comma-separated) or a JSON list.
 
     E.g. ["sql=/a/sql", '{"name": "chat", "path": "/p"}'] -> (("sql", "/a/sql"), ("chat", "/p"))
     """
-    if isinstance(modules, str | dict):
+    if isinstance(modules, str):
+        text = modules.strip()
+        if text.startswith("["):
+            try:
+                modules = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"lora_modules: {text!r} is not valid JSON ({exc})") from None
+        else:
+            modules = [text] if text.startswith("{") else text.replace(",", " ").split()
+    if isinstance(modules, dict):
         modules = [modules]
     pairs: list[tuple[str, str]] = []
     for item in modules or ():
@@ -366,4 +375,6 @@ def parse_lora_modules(modules: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
         raise ConfigError(f"{name} {message}")

@@ -123,8 +123,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "quantization",
         "int8: weight-only int8 linear layers (a quarter of float32's bytes); w8a8: int8 "
-        "weights and per-token int8 activations, int8 matmuls (AVX-512 VNNI)",
-        choices=("int8", "w8a8"),
+        "weights and per-token int8 activations, int8 matmuls (AVX-512 VNNI); int4: group-wise "
+        "4-bit weights (implied by an AWQ or GPTQ checkpoint)",
+        choices=("int8", "w8a8", "int4"),
     ),
     Setting(
         "max_model_len", "context length limit (default: the checkpoint's)", type=int, minimum=1
@@ -235,6 +236,28 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         minimum=1,
     ),
     Setting(
+        "enable_lora",
+        "serve PEFT LoRA adapters, chosen per request (docs/lora.md)",
+        default=False,
+        kind="switch",
+    ),
+    Setting(
+        "max_loras", "adapters computed in one step (device slots)", type=int, default=1, minimum=1
+    ),
+    Setting("max_lora_rank", "the largest adapter rank accepted", type=int, default=16, minimum=1),
+    Setting(
+        "max_cpu_loras",
+        "adapters kept loaded on the CPU, least recently used dropped (default: max_loras)",
+        type=int,
+        minimum=1,
+    ),
+    Setting(
+        "lora_modules",
+        "adapters loaded at start: name=path entries (space- or comma-separated), or JSON "
+        '({"name": ..., "path": ...} or a list of them)',
+        metavar="NAME=PATH",
+    ),
+    Setting(
         "num_threads",
         "torch CPU threads (default: the tuning profile's, else torch's)",
         type=int,
@@ -255,7 +278,18 @@ GENERATE_SETTINGS = tuple(
     n
     for n in BY_NAME
     if n
-    not in ("enable_chunked_prefill", "block_size", "prefix_cache_reserve", "scheduling_policy")
+    not in (
+        "enable_chunked_prefill",
+        "block_size",
+        "prefix_cache_reserve",
+        "scheduling_policy",
+        # Adapters are chosen per request: the server's and LLM.generate's.
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "lora_modules",
+    )
 )
 BENCH_SETTINGS = (
     "dtype",

@@ -225,7 +225,7 @@ def test_tied_head_is_converted_without_touching_the_embedding(tiny_checkpoint):
 
 def test_unknown_quantization_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ConfigError, match="quantization"):
-        LLM(str(tiny_checkpoint("llama")), quantization="int4", profile=None)
+        LLM(str(tiny_checkpoint("llama")), quantization="int3", profile=None)
 
 
 def test_int8_greedy_output_does_not_depend_on_the_batch(stories_dir):

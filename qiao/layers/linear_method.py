@@ -299,6 +299,10 @@ def choose_method(
         tile = INVARIANT_TILE
     if quantization == "int8":
         return Int8Method(max(16, min(batch_hint, 128)), tile)
+    if quantization == "int4":
+        from qiao.layers.quant_int4 import Int4Method  # its own module; it imports this one
+
+        return Int4Method(batch_hint, tile)
     if quantization == "w8a8":
         from qiao.layers.quant_w8a8 import W8A8Method  # its own module; it imports this one
 

@@ -15,17 +15,27 @@ A loader hands each layer its weights with `attach_int4_weights` (whole-checkpoi
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from qiao import envs
 from qiao.distributed.parallel_state import tp_rank, tp_size
-from qiao.errors import ModelLoadError
+from qiao.errors import ConfigError, ModelLoadError
+from qiao.kernels import load_or_build
+from qiao.layers.linear_method import LinearMethod, _replace_weight, choose_method
 
 if TYPE_CHECKING:
     from qiao.layers.linear import LinearBase
 
+logger = logging.getLogger(__name__)
 # Group size of `quantize_int4` where K allows it, else FALLBACK_GROUP_SIZE.
 DEFAULT_GROUP_SIZE = 128
 FALLBACK_GROUP_SIZE = 32
@@ -126,6 +136,18 @@ def attach_int4_weights(
         RowParallelLinear,
     )
 
+    if isinstance(layer, QKVLinear | MergedLinear) and shard_id is None:
+        # A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): its parts in order.
+        if isinstance(layer, QKVLinear):
+            parts = [(shard, rows) for shard, (_, rows) in layer.shards.items()]
+        else:
+            parts = list(enumerate(layer.output_sizes))
+        _check_rows(w, sum(rows for _, rows in parts) * tp_size(), layer, None)
+        start = 0
+        for shard, rows in parts:
+            attach_int4_weights(layer, w.rows(start, rows * tp_size()), shard)
+            start += rows * tp_size()
+        return
     if isinstance(layer, QKVLinear | MergedLinear):
         if isinstance(layer, QKVLinear):
             if shard_id not in layer.shards:
@@ -200,3 +222,345 @@ def attached_int4_weights(layer: LinearBase) -> Int4Weights | None:
         torch.cat([p.offsets.float() for p in chosen]),
         chosen[0].group_size,
     )
+
+
+# Rows per matmul up to which `Int4Method` runs the C++ kernel (decode); more rows dequantize
+# tiles of the weight and multiply them with ATen (prefill).
+INT4_KERNEL_MAX_ROWS = 8
+# Output features x input features dequantized per tile of a larger matmul: 1 MiB of float32,
+# so a tile is still in cache when its matmul reads it.
+_TILE_ELEMENTS = 1 << 18
+_BLOCK = 16  # output features per packed block (the kernel's lanes)
+_CHUNK = 8  # input features per 4 bytes of one output feature
+
+_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "int4_ops.cpp"
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+
+
+@functools.cache
+def int4_ops() -> ModuleType | None:
+    """The int4 C++ kernels (qiao/kernels/csrc/int4_ops.cpp), or None when disabled
+    (QIAO_DISABLE_CPU_KERNELS=1), unbuildable, or without AVX-512 VNNI here."""
+    if envs.disable_cpu_kernels():
+        return None
+    try:
+        ops = load_or_build("qiao_int4_ops", _SOURCE, _CFLAGS, ["-fopenmp"])
+    except Exception as exc:  # no compiler, headers missing, a timed-out build: say why once
+        logger.warning("int4 kernels unavailable, using the PyTorch reference (%s)", exc)
+        return None
+    return ops if ops.int4_linear_available() else None
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """Int4Weights in the kernel's layout (int4_ops.cpp): `packed` uint8 [N/16, K/8, 16, 4],
+    two codes a byte; `scales` and `offsets` float32 [N/16, K/g, 16]; N padded to 16 with zero
+    rows (sliced off)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group_size: int
+    output_size: int
+
+
+def pack_int4(w: Int4Weights) -> PackedInt4:
+    """Byte j of output feature r in chunk c holds q[r, 8c + j] (low nibble) and q[r, 8c + 4 + j]
+    (high nibble); the kernel's lanes are 16 consecutive output features."""
+    n, k = w.codes.shape
+    if k % _CHUNK:
+        raise ModelLoadError(f"int4 packing needs input features in multiples of 8, got {k}")
+    pad = -n % _BLOCK
+    codes = F.pad(w.codes, (0, 0, 0, pad)).reshape(-1, _BLOCK, k // _CHUNK, 2, 4)
+    packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [NB, 16, K/8, 4]
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NB, G, 16]
+        t = F.pad(t.float(), (0, 0, 0, pad))
+        return t.reshape(-1, _BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+
+    return PackedInt4(
+        packed.transpose(1, 2).contiguous(), lanes(w.scales), lanes(w.offsets), w.group_size, n
+    )
+
+
+def unpack_int4(p: PackedInt4, block0: int = 0, blocks: int | None = None) -> Int4Weights:
+    """The inverse of `pack_int4` for output blocks block0..block0+blocks (the kernels' oracle
+    and the fallback's dequantization): codes and groups of 16 * blocks output features."""
+    blocks = p.packed.shape[0] - block0 if blocks is None else blocks
+    packed = p.packed[block0 : block0 + blocks]
+    codes = torch.stack([packed & 15, packed >> 4], dim=3)  # [B, K/8, 16, 2, 4]
+    codes = codes.permute(0, 2, 1, 3, 4).reshape(blocks * _BLOCK, -1)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [B, G, 16] -> [16 B, G]
+        return t[block0 : block0 + blocks].transpose(1, 2).reshape(blocks * _BLOCK, -1)
+
+    return Int4Weights(codes, rows(p.scales), rows(p.offsets), p.group_size)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 [M, K] rounded per group of `group_size` features to int8 steps d = max |x| / 127
+    (round half to even, as the kernel), returned dequantized: what the int4 kernel multiplies."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // group_size, group_size)
+    step = groups.abs().amax(dim=2, keepdim=True) / 127.0
+    codes = torch.round(groups / step.clamp(min=1e-30)).clamp(-127, 127)
+    return (codes * step).reshape(m, k)
+
+
+def int4_linear_reference(
+    x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 [M, K] x Int4Weights [N, K] -> float32 [M, N]: the decode kernel's oracle. The
+    rows rounded per group to int8 steps (`quantize_activations`) times the exact weights."""
+    out = F.linear(quantize_activations(x, w.group_size).double(), dequantize_int4(w).double())
+    out = out.float()
+    return out if bias is None else out + bias.float()
+
+
+class Int4Method(LinearMethod):
+    """Weight-only group-wise int4 (`quantization="int4"`): the layer's attached weights
+    (`attach_int4_weights`), else its float weight quantized (`quantize_int4`; input features
+    padded with zeros to a multiple of 32 where K is not one), packed for the kernel.
+
+    Few rows (decode) run `int4_linear` (C++, AVX-512 VNNI), which reads each weight byte once:
+    half int8's bytes, an eighth of float32's. More rows (prefill) dequantize the weight in
+    tiles of ~1 MiB of float32 (`int4_dequantize`) and multiply each in the input's dtype, so
+    the whole float matrix never exists. Without the kernels both steps run in PyTorch."""
+
+    name = "int4"
+
+    def __init__(self, batch_hint: int = 64, tile: int | None = None) -> None:
+        super().__init__(tile)
+        self.batch_hint = batch_hint
+
+    def prepare(self, layer: LinearBase) -> None:
+        w = attached_int4_weights(layer)
+        layer.__dict__.pop("int4_parts", None)
+        if w is None and layer.__dict__.get("int4_keep_dense"):
+            # A float layer of a pre-quantized checkpoint (AWQ's and GPTQ's head): as it is.
+            layer.method = choose_method(
+                layer.weight,
+                quantization=None,
+                batch_hint=self.batch_hint,
+                batch_invariant=self.tile is not None,
+            )
+            layer.method.prepare(layer)
+            return
+        if w is None:
+            weight = layer.weight.detach()
+            w = quantize_int4(F.pad(weight, (0, -weight.shape[1] % FALLBACK_GROUP_SIZE)))
+        packed = pack_int4(w)
+        layer.register_buffer("weight_scales", packed.scales, persistent=False)
+        layer.register_buffer("weight_offsets", packed.offsets, persistent=False)
+        layer.int4_group_size = packed.group_size
+        layer.int4_input_size = w.codes.shape[1]  # K, padded to the groups
+        _replace_weight(layer, packed.packed)
+
+    def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
+        if self.tile is None and dtype == torch.bfloat16 and layer.weight.device.type == "cpu":
+            return INT4_KERNEL_MAX_ROWS + 1
+        return None
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if layer.int4_input_size != rows.shape[1]:
+            rows = F.pad(rows, (0, layer.int4_input_size - rows.shape[1]))
+        ops = int4_ops() if rows.device.type == "cpu" else None
+        if ops is not None and rows.shape[0] <= INT4_KERNEL_MAX_ROWS and self.tile is None:
+            bias = layer.bias.float() if layer.bias is not None else _EMPTY
+            out = ops.int4_linear(
+                rows.float().contiguous(),
+                layer.weight,
+                layer.weight_scales,
+                layer.weight_offsets,
+                layer.int4_group_size,
+                layer.output_size,
+                bias,
+            )
+        else:
+            out = self._dequantized_matmul(layer, rows, ops)
+        return out.to(x.dtype).reshape(*shape[:-1], layer.output_size)
+
+    def _dequantized_matmul(
+        self, layer: LinearBase, rows: torch.Tensor, ops: ModuleType | None
+    ) -> torch.Tensor:
+        """rows [M, K] x the weight, one tile of output features at a time: each tile is
+        dequantized to float32 (the C++ kernel or `unpack_int4`) and multiplied in rows' dtype."""
+        n, k = layer.output_size, layer.int4_input_size
+        p = PackedInt4(
+            layer.weight, layer.weight_scales, layer.weight_offsets, layer.int4_group_size, n
+        )
+        blocks = p.packed.shape[0]
+        step = max(4, _TILE_ELEMENTS // (k * _BLOCK))
+        out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
+        for b in range(0, blocks, step):
+            size = min(step, blocks - b)
+            if ops is not None:
+                tile = ops.int4_dequantize(
+                    p.packed, p.scales, p.offsets, p.group_size, n, k, b, size
+                )
+            else:
+                tile = dequantize_int4(unpack_int4(p, b, size))
+            n0, n1 = b * _BLOCK, min(n, (b + size) * _BLOCK)
+            tile = tile[: n1 - n0].to(rows.dtype)
+            bias = None if layer.bias is None else layer.bias[n0:n1].to(rows.dtype)
+            out[:, n0:n1] = self.rows_matmul(lambda r, t=tile, c=bias: F.linear(r, t, c), rows)
+        return out
+
+
+_EMPTY = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class Int4CheckpointFormat:
+    """A pre-quantized checkpoint's `quantization_config` (config.json), as qiao reads it.
+
+    AWQ (GEMM): qweight int32 [K, N/8], eight codes along N per word, nibble i holding column
+    8c + AWQ_ORDER[i]; qzeros int32 [K/g, N/8] packed alike; scales [K/g, N]; w = (q - z) s.
+    GPTQ: qweight int32 [K/8, N], nibble j of word i holding input feature 8i + j; qzeros
+    [K/g, N/8], nibble j holding column 8c + j, stored as z - 1 unless `checkpoint_format` is
+    gptq_v2; scales [K/g, N]; g_idx [K], the group of each input feature."""
+
+    method: str  # "awq" or "gptq"
+    group_size: int  # -1: one group of all input features
+    zero_plus_one: bool  # GPTQ v1: the stored zero is z - 1
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def read_int4_checkpoint_format(config: dict | None) -> Int4CheckpointFormat | None:
+    """`quantization_config` of config.json -> its format, None for a float checkpoint; a
+    ModelLoadError saying what is supported for any other quantization."""
+    if not config:
+        return None
+    method = str(config.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ModelLoadError(
+            f"quantization_config.quant_method {method or None!r} is not supported; qiao reads "
+            "4-bit AWQ (GEMM) and GPTQ checkpoints, or quantizes a float checkpoint itself "
+            "(--quantization int8 / int4)"
+        )
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ModelLoadError(f"{method} checkpoint of {bits} bits: qiao reads 4-bit ones only")
+    group_size = config.get("group_size", config.get("q_group_size", -1))
+    if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ModelLoadError(f"{method} quantization_config.group_size {group_size!r} is invalid")
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(
+                f"AWQ checkpoint in the {version!r} layout: qiao reads AWQ's GEMM layout only"
+            )
+        if not config.get("zero_point", True):
+            raise ModelLoadError("AWQ checkpoint without zero points: not supported")
+        return Int4CheckpointFormat("awq", group_size, zero_plus_one=False)
+    v2 = str(config.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+    return Int4CheckpointFormat("gptq", group_size, zero_plus_one=not v2)
+
+
+def int4_checkpoint_quantization(
+    fmt: Int4CheckpointFormat | None, quantization: str | None
+) -> str | None:
+    """The quantization a model loads with: "int4" for an AWQ / GPTQ checkpoint (a conflicting
+    explicit choice is a ConfigError), else `quantization` as given."""
+    if fmt is None:
+        return quantization
+    if quantization not in (None, "int4"):
+        raise ConfigError(
+            f"quantization {quantization!r} given for a {fmt.method.upper()} checkpoint, which "
+            "is int4 already: leave quantization unset (or int4)"
+        )
+    return "int4"
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (bits 4i..4i+3)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & 15).to(torch.uint8)
+
+
+def decode_int4_checkpoint(
+    fmt: Int4CheckpointFormat, tensors: dict[str, torch.Tensor]
+) -> Int4Weights:
+    """One layer's qweight / qzeros / scales (/ g_idx) in `fmt` -> Int4Weights [N, K]."""
+    qweight, qzeros, scales = (tensors[n] for n in ("qweight", "qzeros", "scales"))
+    if fmt.method == "awq":
+        k = qweight.shape[0]
+        reverse = [AWQ_ORDER.index(j) for j in range(8)]  # column 8c + j is nibble reverse[j]
+        codes = _nibbles(qweight)[..., reverse].reshape(k, -1)
+        zeros = _nibbles(qzeros)[..., reverse].reshape(qzeros.shape[0], -1)
+    else:
+        n = qweight.shape[1]
+        codes = _nibbles(qweight).transpose(1, 2).reshape(-1, n)  # [K/8, N, 8] -> [K, N]
+        zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)
+    k, n = codes.shape
+    groups = scales.shape[0]
+    if zeros.shape != (groups, n) or scales.shape[1] != n or k % groups:
+        raise ModelLoadError(
+            f"{fmt.method} tensors do not fit: qweight {tuple(qweight.shape)}, qzeros "
+            f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
+        )
+    group_size = k // groups
+    if fmt.group_size not in (-1, group_size):
+        raise ModelLoadError(
+            f"{fmt.method} tensors in groups of {group_size}, quantization_config says "
+            f"{fmt.group_size}"
+        )
+    g_idx = tensors.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
+        raise ModelLoadError(
+            "GPTQ checkpoint with act-order (desc_act: g_idx not in input order): not supported; "
+            "use one quantized with desc_act false"
+        )
+    s = scales.float().t().contiguous()
+    z = zeros.float().t() + (1.0 if fmt.zero_plus_one else 0.0)
+    return Int4Weights(codes.t().contiguous(), s, z * s, group_size)
+
+
+class Int4CheckpointReader:
+    """Collects an AWQ / GPTQ checkpoint's int4 tensors while a model loads, then attaches each
+    layer's weights (`attach`). `take` claims the names ending in qweight, qzeros, scales,
+    g_idx; every other tensor loads as usual."""
+
+    def __init__(self, fmt: Int4CheckpointFormat) -> None:
+        self.fmt = fmt
+        self.layers: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in _INT4_TENSORS:
+            return False
+        self.layers.setdefault(prefix, {})[leaf] = tensor
+        return True
+
+    def attach(
+        self,
+        model: torch.nn.Module,
+        target: Callable[[str], tuple[LinearBase, str | int | None]],
+    ) -> set[str]:
+        """Attach every collected layer to `target(checkpoint weight name)` (its layer and shard
+        id); returns those weight names, now loaded. Linear layers given none (the head) keep
+        their float weights (`Int4Method` leaves them dense)."""
+        from qiao.layers.linear import LinearBase
+
+        names = set()
+        for prefix, tensors in self.layers.items():
+            missing = [n for n in _INT4_TENSORS[:3] if n not in tensors]
+            if missing:
+                raise ModelLoadError(
+                    f"{self.fmt.method} layer {prefix!r} lacks {', '.join(missing)}"
+                )
+            layer, shard_id = target(f"{prefix}.weight")
+            try:
+                attach_int4_weights(layer, decode_int4_checkpoint(self.fmt, tensors), shard_id)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{self.fmt.method} layer {prefix!r}: {e}") from None
+            names.add(f"{prefix}.weight")
+        for module in model.modules():
+            if isinstance(module, LinearBase) and "int4_parts" not in module.__dict__:
+                module.int4_keep_dense = True
+        return names

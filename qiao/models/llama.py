@@ -27,6 +27,7 @@ from qiao.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from qiao.layers.quant_int4 import Int4CheckpointReader
 from qiao.layers.rotary import RotaryEmbedding, apply_rotary
 from qiao.models.arch_config import ArchConfig
 
@@ -186,7 +187,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) in; returns the names consumed."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        fmt = self.arch.quantization_config  # AWQ / GPTQ: int4 tensors go to the reader
+        int4 = Int4CheckpointReader(fmt) if fmt is not None else None
         for name, tensor in weights:
+            if int4 is not None and int4.take(name, tensor):
+                continue
             if name.endswith("rotary_emb.inv_freq") or (
                 self.arch.tie_word_embeddings and name == "lm_head.weight"
             ):
@@ -203,7 +208,19 @@ class LlamaForCausalLM(nn.Module):
             except ModelLoadError as e:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.add(name)
+        if int4 is not None:
+            loaded |= int4.attach(self, self._linear_of)
         return loaded
+
+    def _linear_of(self, name: str) -> tuple[nn.Module, str | int | None]:
+        """The layer and shard id a checkpoint weight name loads into."""
+        param_name, shard_id = _param_name(name)
+        try:
+            return self.get_submodule(param_name.rpartition(".")[0]), shard_id
+        except AttributeError:
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has no layer in {self.arch.architecture}"
+            ) from None
 
     def expected_weight_names(self) -> set[str]:
         """The checkpoint tensor names `load_weights` needs to fill every parameter."""

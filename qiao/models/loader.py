@@ -18,6 +18,7 @@ from qiao.errors import ConfigError, ModelLoadError
 from qiao.gguf_file import is_gguf_path
 from qiao.layers.fused_moe import prepare_experts
 from qiao.layers.linear import prepare_linears
+from qiao.layers.quant_int4 import int4_checkpoint_quantization
 from qiao.logs import Progress
 from qiao.models import gguf
 from qiao.models.arch_config import ArchConfig
@@ -59,6 +60,8 @@ def load_model(
         )
     if load_format != "dummy" and model_dir is None:
         raise ModelLoadError(f"load_format {load_format!r} needs a model directory")
+    # An AWQ / GPTQ checkpoint is int4 (its layers get their weights as they are).
+    quantization = int4_checkpoint_quantization(arch.quantization_config, quantization)
     with torch.device("meta"):
         model = get_model_class(arch)(arch)
     model = model.to(dtype=dtype).to_empty(device=device)

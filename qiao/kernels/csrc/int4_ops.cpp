@@ -1,0 +1,210 @@
+// qiao int4 kernels: the weight-only group-wise 4-bit matmul for few rows (decode), and the
+// tile-wise dequantization that larger matmuls (prefill) multiply by.
+// Plain-PyTorch references in qiao/layers/quant_int4.py (the test oracle and the fallback).
+//
+// Packed layout (pack_int4 in quant_int4.py): output features in blocks of 16, input features in
+// chunks of 8. Block b, chunk c is 64 bytes, 4 per output feature r = 0..15; byte j of feature r
+// holds q[16 b + r, 8 c + j] in its low nibble and q[16 b + r, 8 c + 4 + j] in its high one.
+// Scales and offsets are [blocks, groups, 16] float32 (w = q * scale - offset).
+//
+// int4_linear quantizes each row of x per group to int8 (d = max |x| / 127, xq = round(x / d))
+// and sums xq * q exactly in int32 with AVX-512 VNNI (vpdpbusd: unsigned codes times signed
+// activations, 4 products per lane, one lane per output feature), then per group in float32:
+// y += sum * (scale * d) - offset * (d * sum xq). That is x rounded per group to 8 bits times the
+// exact weights; the reference computes the same with F.linear.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QIAO_INT4_VNNI 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;   // output features per block (one per 32-bit lane)
+constexpr int64_t kChunk = 8;    // input features per 64-byte chunk of a block
+constexpr int64_t kChunkBytes = kBlock * kChunk / 2;
+constexpr int64_t kRowTile = 4;  // rows of x sharing each weight load
+
+// One row of x per group: int8 codes, the step d and d * sum of the codes.
+struct QuantizedRows {
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> step;    // [M, G]
+  std::vector<float> sums;    // [M, G]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t G = K / group;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * group;
+      float amax = 0.f;
+      for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float d = amax / 127.f;
+      const float divisor = std::max(d, 1e-30f);
+      int32_t total = 0;
+      int8_t* out = q.codes.data() + m * K + g * group;
+      for (int64_t i = 0; i < group; ++i) {
+        const float r = std::nearbyint(xg[i] / divisor);  // ties to even, as torch.round
+        const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+        out[i] = static_cast<int8_t>(v);
+        total += v;
+      }
+      q.step[m * G + g] = d;
+      q.sums[m * G + g] = d * static_cast<float>(total);
+    }
+  }
+  return q;
+}
+
+#ifdef QIAO_INT4_VNNI
+// Output features of blocks b0..b1 for rows m..m+MT of x.
+template <int MT>
+void int4_block_rows(float* out, int64_t N, const QuantizedRows& q, int64_t m, int64_t K,
+                     int64_t group, const uint8_t* packed, const float* scales,
+                     const float* offsets, const float* bias, int64_t b0, int64_t b1) {
+  const int64_t G = K / group, chunks = K / kChunk, per_group = group / kChunk;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int32_t* xw[MT];  // row mt's int8 codes as 32-bit words: 4 codes each
+  for (int mt = 0; mt < MT; ++mt)
+    xw[mt] = reinterpret_cast<const int32_t*>(q.codes.data() + (m + mt) * K);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = packed + b * chunks * kChunkBytes;
+    __m512 acc[MT];
+    for (int mt = 0; mt < MT; ++mt) acc[mt] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i lo_sum[MT], hi_sum[MT];
+      for (int mt = 0; mt < MT; ++mt) lo_sum[mt] = hi_sum[mt] = _mm512_setzero_si512();
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+        const __m512i v = _mm512_loadu_si512(wb + c * kChunkBytes);
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int mt = 0; mt < MT; ++mt) {
+          lo_sum[mt] = _mm512_dpbusd_epi32(lo_sum[mt], lo, _mm512_set1_epi32(xw[mt][2 * c]));
+          hi_sum[mt] = _mm512_dpbusd_epi32(hi_sum[mt], hi, _mm512_set1_epi32(xw[mt][2 * c + 1]));
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(scales + (b * G + g) * kBlock);
+      const __m512 o = _mm512_loadu_ps(offsets + (b * G + g) * kBlock);
+      for (int mt = 0; mt < MT; ++mt) {
+        const int64_t i = (m + mt) * G + g;
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[mt], hi_sum[mt]));
+        acc[mt] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(q.step[i])), acc[mt]);
+        acc[mt] = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.sums[i]), acc[mt]);
+      }
+    }
+    const int64_t n = b * kBlock, valid = std::min(kBlock, N - n);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int mt = 0; mt < MT; ++mt)
+      _mm512_mask_storeu_ps(out + (m + mt) * N + n, mask, _mm512_add_ps(acc[mt], bv));
+  }
+}
+#endif
+
+void check_packed(const torch::Tensor& packed, const torch::Tensor& scales,
+                  const torch::Tensor& offsets, int64_t K, int64_t group, int64_t N) {
+  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0,
+              "int4: group size ", group, " must be a multiple of 8 dividing K ", K);
+  const int64_t blocks = (N + kBlock - 1) / kBlock, G = K / group;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.numel() == blocks * K * kBlock / 2,
+              "int4: packed weight must come from pack_int4 for ", N, " x ", K);
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                    t->numel() == blocks * G * kBlock,
+                "int4: scales and offsets must be [blocks, groups, 16] float32");
+}
+
+}  // namespace
+
+// Whether int4_linear is compiled here (AVX-512 with VNNI).
+bool int4_linear_available() {
+#ifdef QIAO_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32, a weight packed by pack_int4 (N output features, groups of `group`),
+// bias [N] float32 or empty -> [M, N] float32.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          torch::Tensor offsets, int64_t group, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(int4_linear_available(), "int4_linear: this build has no AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "int4_linear: x must be contiguous [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(packed, scales, offsets, K, group, N);
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() &&
+                                    bias.scalar_type() == torch::kFloat32),
+              "int4_linear: bias must be [N] float32 or empty");
+  auto out = torch::empty({M, N}, x.options());
+#ifdef QIAO_INT4_VNNI
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), M, K, group);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* opp = offsets.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // Output blocks split across threads; each streams its own weight bytes once per row tile.
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t m = 0; m < M; m += kRowTile) {
+      switch (std::min(kRowTile, M - m)) {
+        case 1: int4_block_rows<1>(op, N, q, m, K, group, wp, sp, opp, bp, b0, b1); break;
+        case 2: int4_block_rows<2>(op, N, q, m, K, group, wp, sp, opp, bp, b0, b1); break;
+        case 3: int4_block_rows<3>(op, N, q, m, K, group, wp, sp, opp, bp, b0, b1); break;
+        default: int4_block_rows<4>(op, N, q, m, K, group, wp, sp, opp, bp, b0, b1); break;
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// Output features 16 * block0 .. 16 * (block0 + blocks) of a packed weight as float32
+// [16 * blocks, K] (rows past N hold what their zero padding dequantizes to: zeros).
+torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                              int64_t group, int64_t N, int64_t K, int64_t block0, int64_t blocks) {
+  check_packed(packed, scales, offsets, K, group, N);
+  TORCH_CHECK(block0 >= 0 && blocks >= 0 && 16 * (block0 + blocks) < N + kBlock,
+              "int4_dequantize: blocks out of range");
+  auto out = torch::empty({blocks * kBlock, K}, scales.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* opp = offsets.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = K / group, chunks = K / kChunk;
+  at::parallel_for(0, blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = block0 + i;
+      const uint8_t* wb = wp + b * chunks * kChunkBytes;
+      for (int64_t r = 0; r < kBlock; ++r) {
+        float* row = op + (i * kBlock + r) * K;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t g = c * kChunk / group;
+          const float s = sp[(b * G + g) * kBlock + r], o = opp[(b * G + g) * kBlock + r];
+          const uint8_t* bytes = wb + c * kChunkBytes + r * 4;
+          for (int j = 0; j < 4; ++j) {
+            row[c * kChunk + j] = static_cast<float>(bytes[j] & 0x0F) * s - o;
+            row[c * kChunk + 4 + j] = static_cast<float>(bytes[j] >> 4) * s - o;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear_available", &int4_linear_available, "whether int4_linear is compiled here");
+  m.def("int4_linear", &int4_linear, "x @ W^T + bias over a pack_int4 weight, for few rows of x");
+  m.def("int4_dequantize", &int4_dequantize, "float32 rows of a pack_int4 weight, block-wise");
+}
