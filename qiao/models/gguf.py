@@ -121,8 +121,12 @@ def read_gguf_arch_config(path: str | Path) -> ArchConfig:
     head_dim = f.get("attention.key_length") or hidden // heads
     rope_dim = f.get("rope.dimension_count") or head_dim
     tokens = f.metadata.get("tokenizer.ggml.tokens")
+    window = f.get("attention.sliding_window") or None
+    architecture = ARCHITECTURES[f.arch]
+    if f.arch == "llama" and window is not None:
+        architecture = "MistralForCausalLM"  # llama.cpp's llama arch with a window: Mistral
     config = {
-        "architectures": [ARCHITECTURES[f.arch]],
+        "architectures": [architecture],
         "model_type": f.arch,
         "vocab_size": f.get("vocab_size") or _rows(f, "token_embd.weight") or len(tokens or ()),
         "hidden_size": hidden,
@@ -138,7 +142,7 @@ def read_gguf_arch_config(path: str | Path) -> ArchConfig:
         "rope_scaling": _rope_scaling(f),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors or "blk.0.attn_qkv.bias" in f.tensors,
-        "sliding_window": f.get("attention.sliding_window") or None,
+        "sliding_window": window,
         "hidden_act": "silu",
         "bos_token_id": _token_id(f, "bos_token_id"),
         "eos_token_id": _token_id(f, "eos_token_id"),
