@@ -9,6 +9,8 @@ data and its calls carry the token; `qiao/api/console.py`). Routes:
     POST /v1/repository/models/{model}/reload    the same: picks up replaced versions
     POST /v1/repository/models/{model}/unload
     PUT  /v1/repository/models/{model}/traffic   {"weights": {"1": 90, "2": 10}}
+    POST /v1/load_lora_adapter                   {"lora_name", "lora_path", "model"?} (vLLM's;
+    POST /v1/unload_lora_adapter                 {"lora_name", "model"?}   api/lora_adapters.py)
     POST /v2/repository/index                    KServe v2 repository extension (Triton's state
     POST /v2/repository/models/{model}/load      words; errors as {"error": "..."}), which
     POST /v2/repository/models/{model}/unload    tritonclient's repository calls speak
@@ -39,6 +41,7 @@ from starlette.exceptions import HTTPException
 
 from qiao.api.console import ConsoleShell
 from qiao.api.errors import error_body
+from qiao.api.lora_adapters import add_management_routes
 from qiao.api.middleware import (
     ASGIApp,
     Message,
@@ -82,6 +85,7 @@ def create_management_app(
     app.state.control = control
     _install_error_handlers(app)
     _add_v1_routes(app)
+    add_management_routes(app, _parse, _as_http)
     _add_v2_routes(app)
     app.add_middleware(ManagementGuard, token=token, max_body_bytes=max_body_bytes)
     # Before the guard: the console's static shell at /ui (no data in it; its calls carry the token).

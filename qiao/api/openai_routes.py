@@ -18,6 +18,7 @@ from qiao.api.limits import (
     split_inputs,
     to_sampling_params,
 )
+from qiao.api.lora_adapters import adapter_cards, split_adapter
 from qiao.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,13 +55,18 @@ async def list_models(request: Request) -> ModelList:
     manager: ModelManager = request.app.state.router
     cards = [_card(manager, name) for name in manager.model_names()]
     cards.sort(key=lambda card: card.max_model_len is None)  # stable: names stay sorted
-    return ModelList(data=cards)
+    adapters = [a for c in cards for a in adapter_cards(manager, c.id, c.max_model_len)]
+    return ModelList(data=cards + adapters)
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(request: Request, model_id: str) -> ModelCard:
     """One served model (`model@version` names a version); 404 when it is not served."""
     manager: ModelManager = request.app.state.router
+    base, adapter = split_adapter(manager, model_id)
+    if adapter is not None:
+        card = _card(manager, base)
+        return card.model_copy(update={"id": model_id, "parent": base})
     name, version = split_model_id(model_id)
     if name not in manager.model_names() or (
         version is not None and version not in manager.ready_versions(name)
@@ -111,7 +117,8 @@ def resolve_model(request: Request, model: str, user: str | None) -> Any:
 
 
 def _llm(request: Request, body: CompletionRequest | ChatCompletionRequest) -> LLMVersion:
-    served = resolve_model(request, body.model, body.user)
+    base, _ = split_adapter(request.app.state.router, body.model)
+    served = resolve_model(request, base, body.user)
     if not isinstance(served, LLMVersion):
         raise APIError(
             400,
@@ -442,6 +449,7 @@ def _start(
             params,
             priority=priority_for(request, body.priority),
             deadline=deadline,
+            lora_name=split_adapter(state.router, body.model)[1],
         )
         for i, (prompt, params) in enumerate(zip(prompts, plans, strict=True))
     ]

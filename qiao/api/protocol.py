@@ -237,6 +237,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "qiao"
     max_model_len: int | None = None
+    # A LoRA adapter's base model (vLLM lists adapters so); None for a model.
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -65,6 +65,11 @@ _ENGINE_SETTINGS = (
     "prefix_cache_reserve",
     "seed",
     "device",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "lora_modules",
 )
 
 

@@ -16,6 +16,7 @@ no retry could ever admit it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import logging
 import threading
@@ -85,6 +86,8 @@ class GenerateRequest:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
     arrival_time: float = field(default_factory=time.monotonic)
+    # The LoRA adapter to run under (a name the engine has loaded); None: the base model.
+    lora_name: str | None = None
 
 
 class EngineClient(ABC):
@@ -162,6 +165,19 @@ class EngineClient(ABC):
     @abstractmethod
     def health(self) -> EngineHealth: ...
 
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters requests can name: name -> folder (none unless the engine was
+        started with enable_lora)."""
+        return {}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load (or replace) a LoRA adapter at runtime; ConfigError when it cannot be."""
+        raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget a LoRA adapter; ModelNotFoundError when it is not loaded."""
+        raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...
 
@@ -179,6 +195,23 @@ def _engine_failed(exc: Exception) -> EngineUnavailableError:
 class _Abort:
     request_id: str
     reason: str
+
+
+@dataclass
+class _LoRACommand:
+    """Load (path given) or unload an adapter on the engine thread; `done` gets the outcome."""
+
+    name: str
+    path: str | None
+    done: concurrent.futures.Future
+
+
+def apply_lora_command(engine: Any, name: str, path: str | None) -> None:
+    """Load an adapter under `name` from `path` (replacing one of that name), or unload it."""
+    if path is None:
+        engine.remove_lora(name)
+    else:
+        engine.load_lora(name, path)
 
 
 def check_group(requests: Sequence[GenerateRequest], limits: AdmissionLimits) -> tuple[int, int]:
@@ -274,7 +307,7 @@ class AsyncEngine(EngineClient):
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._commands: list[GenerateRequest | _Abort] = []
+        self._commands: list[GenerateRequest | _Abort | _LoRACommand] = []
         # Work not yet started: commands in flight plus the scheduler's waiting queue.
         self._queued_seqs = 0
         self._queued_tokens = 0
@@ -403,6 +436,23 @@ class AsyncEngine(EngineClient):
             return EngineHealth(False, f"engine stalled: no step completed for {idle_for:.1f} s")
         return EngineHealth(True)
 
+    def lora_adapters(self) -> dict[str, str]:
+        return {r.lora_name: r.lora_path for r in self.engine.list_loras()}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_command(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_command(name, None)
+
+    async def _lora_command(self, name: str, path: str | None) -> None:
+        """Run on the engine thread between steps (its slots are never written mid-step)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append(_LoRACommand(name, path, done))
+        self._wakeup.set()
+        await asyncio.wrap_future(done)
+
     def stats(self) -> dict[str, Any]:
         alive = self._thread is not None and self._thread.is_alive()
         return {
@@ -508,6 +558,14 @@ class AsyncEngine(EngineClient):
             if isinstance(command, _Abort):
                 outputs += self.engine.abort_request([command.request_id], reason=command.reason)
                 continue
+            if isinstance(command, _LoRACommand):
+                try:
+                    apply_lora_command(self.engine, command.name, command.path)
+                except Exception as exc:
+                    command.done.set_exception(exc)
+                else:
+                    command.done.set_result(None)
+                continue
             try:
                 self.engine.add_request(
                     command.request_id,
@@ -516,6 +574,7 @@ class AsyncEngine(EngineClient):
                     priority=command.priority,
                     stream=True,
                     arrival_time=command.arrival_time,
+                    lora_request=command.lora_name,
                 )
             except QiaoError as exc:
                 self._post(self._fail, command.request_id, exc)

@@ -46,6 +46,7 @@ from qiao.engine.async_engine import (
 from qiao.engine.breaker import CircuitBreaker
 from qiao.engine.output_processor import DeltaDetokenizer
 from qiao.errors import (
+    ConfigError,
     EngineRestartedError,
     EngineUnavailableError,
     ModelLoadError,
@@ -141,6 +142,8 @@ class ProcessEngine(EngineClient):
         self._kill_reason: str | None = None  # why the supervisor killed the engine, if it did
         self.restarts = 0
         self.draining = False
+        # LoRA loads / unloads in flight: command seq -> the future its reply frame resolves.
+        self._lora_waiters: dict[int, asyncio.Future[None]] = {}
 
     @classmethod
     def build(
@@ -252,6 +255,7 @@ class ProcessEngine(EngineClient):
                         r.priority,
                         r.deadline,
                         r.arrival_time,
+                        r.lora_name,
                     ]
                     for r in requests
                 ],
@@ -309,7 +313,49 @@ class ProcessEngine(EngineClient):
         tokens = self._stats["num_waiting_tokens"] + sum(p[2] for p in self._pending)
         return seqs, tokens
 
+    def lora_adapters(self) -> dict[str, str]:
+        lora = self._settings["config"].get("lora")
+        return dict(lora["lora_modules"]) if lora else {}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_command(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_command(name, None)
+
+    async def _lora_command(self, name: str, path: str | None) -> None:
+        """Apply a load / unload in the engine process and wait for its answer. The adapter
+        set is kept in the settings a restarted engine process starts from."""
+        lora = self._settings["config"].get("lora")
+        if not lora:
+            raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        if not self._up or self._loop is None:
+            raise EngineRestartedError(f"the engine is restarting ({self._down_reason}); retry")
+        self._seq += 1
+        seq = self._seq
+        done = self._loop.create_future()
+        self._lora_waiters[seq] = done
+        self._write({"t": "lora", "seq": seq, "name": name, "path": path})
+        try:
+            await done
+        finally:
+            self._lora_waiters.pop(seq, None)
+        modules = [[n, p] for n, p in lora["lora_modules"] if n != name]
+        lora["lora_modules"] = modules + ([[name, path]] if path is not None else [])
+
+    def _on_lora_frame(self, frame: dict[str, Any]) -> None:
+        done = self._lora_waiters.get(frame["seq"])
+        if done is None or done.done():
+            return
+        if frame["error"] is None:
+            done.set_result(None)
+        else:
+            kind, message = frame["error"]
+            done.set_exception(getattr(errors, kind, ConfigError)(message))
+
     def _on_frame(self, frame: dict[str, Any]) -> None:
+        if frame["t"] == "lora":
+            self._on_lora_frame(frame)
         if frame["t"] != "step":
             return
         self._progress_time = time.monotonic()
@@ -437,6 +483,9 @@ class ProcessEngine(EngineClient):
         error = EngineRestartedError(f"the engine restarted ({cause}); retry")
         for request_id in held:
             self._fail(request_id, error)
+        for done in self._lora_waiters.values():
+            if not done.done():
+                done.set_exception(error)
         self._prompts.clear()
         self._detokenizers.clear()
         self._pending.clear()

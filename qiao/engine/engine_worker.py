@@ -26,7 +26,7 @@ from typing import Any
 from qiao import envs
 from qiao.config import EngineConfig
 from qiao.engine import wire
-from qiao.engine.async_engine import engine_failed_message, log_throughput
+from qiao.engine.async_engine import apply_lora_command, engine_failed_message, log_throughput
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import QiaoError
 from qiao.logs import configure_logging
@@ -98,7 +98,7 @@ class EngineWorker:
         for command in commands:
             kind = command["t"]
             if kind == "add":
-                for rid, prompt, params, priority, deadline, arrival in command["requests"]:
+                for rid, prompt, params, priority, deadline, arrival, lora in command["requests"]:
                     try:
                         self.engine.add_request(
                             rid,
@@ -107,6 +107,7 @@ class EngineWorker:
                             priority=priority,
                             stream=True,
                             arrival_time=arrival,
+                            lora_request=lora,
                         )
                     except QiaoError as exc:
                         failed.append([rid, type(exc).__name__, str(exc)])
@@ -123,6 +124,8 @@ class EngineWorker:
             elif kind == "stop_samples":
                 samples = [(rid, index) for rid, index in command["samples"]]
                 outputs += self.engine.stop_samples(samples)
+            elif kind == "lora":
+                self._apply_lora(command)
             elif kind == "stop":
                 self.stopping = True
         return outputs, failed
@@ -148,6 +151,18 @@ class EngineWorker:
             logger.exception("could not abort the failed requests")
         message = engine_failed_message(exc)
         return [[rid, "EngineUnavailableError", message] for rid in request_ids]
+
+    def _apply_lora(self, command: dict[str, Any]) -> None:
+        """Load or unload an adapter between steps; the answer goes back at once."""
+        error = None
+        try:
+            apply_lora_command(self.engine, command["name"], command["path"])
+        except QiaoError as exc:
+            error = [type(exc).__name__, str(exc)]
+        except Exception as exc:  # a bug: this command fails, the loop goes on
+            logger.exception("LoRA command for %r failed", command["name"])
+            error = ["EngineUnavailableError", engine_failed_message(exc)]
+        self.sock.sendall(wire.pack({"t": "lora", "seq": command["seq"], "error": error}))
 
     def _send(self, outputs: list[RequestOutput], failed: list[list[Any]]) -> None:
         frame = {

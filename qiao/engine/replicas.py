@@ -195,6 +195,18 @@ class ReplicatedEngine(EngineClient):
         reasons = "; ".join(f"replica {i}: {h.reason}" for i, h in enumerate(healths))
         return EngineHealth(False, reasons)
 
+    def lora_adapters(self) -> dict[str, str]:
+        return self.replicas[0].lora_adapters()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """On every replica, one after another (a failure on the first changes none)."""
+        for replica in self.replicas:
+            await replica.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        for replica in self.replicas:
+            await replica.unload_lora(name)
+
     def stats(self) -> dict[str, Any]:
         """The replicas' figures summed (KV usage averaged), and each replica's own."""
         each = [r.stats() for r in self.replicas]
