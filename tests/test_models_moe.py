@@ -380,11 +380,34 @@ def test_int8_model_loads_and_generates(tiny_checkpoint):
     int8 = load_model(path, arch, dtype=torch.float32, device=cpu, quantization="int8")
     experts = int8.model.layers[0].mlp.experts
     assert all(m.method.name == "int8" for m in [*experts.experts_gate_up, *experts.experts_down])
-    assert int8.model.layers[0].mlp.gate.weight.dtype == torch.float32  # routing unquantized
+    assert int8.model.layers[0].mlp.gate.method.name != "int8"  # routing unquantized
     llm = LLM(str(path), quantization="int8", profile=None)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(_prompts([3, 17]), params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [20, 20]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_batch_invariant_sparse_block_rows_equal_the_rows_alone(tiny_checkpoint, quantization):
+    """`batch_invariant`: a token's output does not depend on the tokens beside it (which other
+    tokens its experts see, how many rows each expert's matmul has), bit for bit."""
+    path = tiny_checkpoint("qwen2moe")
+    arch = load_arch_config(path)
+    model = load_model(
+        path,
+        arch,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        quantization=quantization,
+        batch_invariant=True,
+    )
+    block = model.model.layers[0].mlp
+    assert isinstance(block, QwenMoeSparseBlock)
+    hidden = torch.randn(45, arch.hidden_size)
+    with torch.inference_mode():
+        alone = torch.cat([block(hidden[i : i + 1]) for i in range(45)])
+        for rows in (2, 7, 33, 45):
+            assert torch.equal(block(hidden[:rows]), alone[:rows]), f"{rows} rows"
 
 
 def test_unsupported_expert_quantization_is_a_config_error():

@@ -45,7 +45,7 @@ from torch import nn
 from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.layers.linear import LinearBase, copy_checked
-from qiao.layers.linear_method import choose_method
+from qiao.layers.linear_method import DenseMethod, choose_method
 
 # (rows [n, K], expert) -> [n, N]: one expert's matrix applied to its segment.
 ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]
@@ -147,9 +147,11 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False
         )
-        # Per-expert linear layers, made by `prepare` once the weights are in.
+        # Per-expert linear layers, made by `prepare` once the weights are in; then the stacks
+        # the layers' weights are views of, if they are (`prepare`).
         self.experts_gate_up: nn.ModuleList | None = None
         self.experts_down: nn.ModuleList | None = None
+        self._views: dict[str, torch.Tensor] = {}
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
@@ -187,7 +189,9 @@ class FusedMoE(nn.Module):
         """Once after loading: every expert's two matrices become linear layers with the method
         `choose_method` gives a dense layer of that shape (`experts_gate_up[e]`,
         `experts_down[e]`): packed for the CPU kernel, oneDNN, int8 or batch-invariant tiles.
-        The stacked parameters stay only where those layers compute on views of them."""
+        The stacked parameters go (their memory is counted once, through the experts' layers);
+        where those layers compute on views of them, the stacks stay as plain tensors for the
+        sync-free form (CUDA graph capture)."""
         if quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization: {quantization!r} is not supported for mixture-of-experts "
@@ -204,10 +208,12 @@ class FusedMoE(nn.Module):
                 )
                 linear.method.prepare(linear)
             setattr(self, f"experts_{name.removesuffix('_proj')}", linears)
-            stack = getattr(self, name).untyped_storage().data_ptr()
-            if any(linear.weight.untyped_storage().data_ptr() != stack for linear in linears):
-                delattr(self, name)  # the methods hold converted copies
-                self.register_parameter(name, None)
+            stack = getattr(self, name).detach()
+            pointer = stack.untyped_storage().data_ptr()
+            if all(linear.weight.untyped_storage().data_ptr() == pointer for linear in linears):
+                self._views[name] = stack
+            delattr(self, name)
+            self.register_parameter(name, None)
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -227,15 +233,43 @@ class FusedMoE(nn.Module):
     def _forward_dense(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        if self.gate_up_proj is None or self.down_proj is None:
+        if self.experts_gate_up is None:
+            stacks = [self.gate_up_proj, self.down_proj]
+        elif len(self._views) == len(_STACKED):
+            stacks = [self._views[name] for name in _STACKED]
+        else:
             raise ConfigError(
                 "mixture-of-experts weights converted for their linear method (int8) cannot run "
                 "in a CUDA graph; set cuda_graphs to false"
             )
-        return fused_moe_dense(hidden, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+        return fused_moe_dense(hidden, topk_weights, topk_ids, *stacks)
 
 
 _STACKED = ("gate_up_proj", "down_proj")
+
+
+class RouterLinear(nn.Module):
+    """y = x W^T for a router or an expert gate: replicated on every rank and never quantized
+    (its outputs pick experts; int8 rounding there would change which). Not a `LinearBase`, so
+    `prepare_linears` passes it by; `prepare_experts` gives it a dense layer's unquantized
+    method, batch-invariant tiles included (it has a linear layer's attributes)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.register_parameter("bias", None)
+        self.method = DenseMethod()
+
+    def prepare(self, batch_hint: int, batch_invariant: bool) -> None:
+        self.method = choose_method(
+            self.weight, quantization=None, batch_hint=batch_hint, batch_invariant=batch_invariant
+        )
+        self.method.prepare(self)  # type: ignore[arg-type] (a linear layer by its attributes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # type: ignore[arg-type]
 
 
 def _expert_linear(weight: torch.Tensor) -> LinearBase:
@@ -254,6 +288,8 @@ def prepare_experts(
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.prepare(quantization, batch_hint, batch_invariant)
+        elif isinstance(module, RouterLinear):
+            module.prepare(batch_hint, batch_invariant)
 
 
 def expert_shard(part_name: str) -> tuple[str, int | None]:

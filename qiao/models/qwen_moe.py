@@ -25,7 +25,13 @@ from torch import nn
 
 from qiao.errors import ModelLoadError
 from qiao.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from qiao.layers.fused_moe import EXPERT_PARTS, FusedMoE, expert_shard, select_experts
+from qiao.layers.fused_moe import (
+    EXPERT_PARTS,
+    FusedMoE,
+    RouterLinear,
+    expert_shard,
+    select_experts,
+)
 from qiao.layers.layernorm import RMSNorm
 from qiao.layers.rotary import RotaryEmbedding
 from qiao.models.arch_config import ArchConfig
@@ -45,8 +51,7 @@ class QwenMoeSparseBlock(nn.Module):
         super().__init__()
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.norm_topk_prob
-        # Replicated plain linears, outside prepare_linears: int8 never touches the routing.
-        self.gate = _replicated_linear(arch.hidden_size, arch.num_experts)
+        self.gate = RouterLinear(arch.hidden_size, arch.num_experts)
         self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
         self.shared_expert: LlamaMLP | None = None
         if arch.shared_expert_intermediate_size:
@@ -54,20 +59,26 @@ class QwenMoeSparseBlock(nn.Module):
                 arch, intermediate_size=arch.shared_expert_intermediate_size, mlp_bias=False
             )
             self.shared_expert = LlamaMLP(shared)
-            self.shared_expert_gate = _replicated_linear(arch.hidden_size, 1)
+            self.shared_expert_gate = RouterLinear(arch.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is None:
             return out
-        return out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out + _sigmoid_per_row(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
 
 
-def _replicated_linear(input_size: int, output_size: int) -> nn.Linear:
-    linear = nn.Linear(input_size, output_size, bias=False)
-    linear.weight.requires_grad_(False)
-    return linear
+# Floats per row that keep a [T, 1] sigmoid on torch's vectorised path for every row.
+_VECTOR_WIDTH = 32
+
+
+def _sigmoid_per_row(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid of [T, 1], each row rounded alike whatever T (batch invariance): torch's CPU
+    kernel runs whole vectors (32 floats on AVX-512) and a scalar tail that rounds differently,
+    so a token in a [T, 1] tensor would get either by its place; in rows of 32 copies every row
+    is vectors."""
+    return torch.sigmoid(logits.expand(-1, _VECTOR_WIDTH).contiguous())[:, :1]
 
 
 class QwenMoeDecoderLayer(LlamaDecoderLayer):
