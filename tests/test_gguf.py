@@ -382,3 +382,36 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         load_arch_config(path)
+
+
+# --- the benchmark's plumbing (no speed is asserted) ------------------------------------------
+
+
+def test_bench_gguf_reports_both_engines_or_how_to_install(gguf_of):
+    from qiao.bench.gguf import GGUFBenchConfig, format_gguf_bench, run_gguf_bench
+
+    cfg = GGUFBenchConfig(
+        gguf=str(gguf_of("llama")), prompt_len=8, output_len=4, batch=2, repeats=1, threads=1
+    )
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        installed = False
+    else:
+        installed = True
+    report = run_gguf_bench(cfg)
+    qiao = report["results"]["qiao"]
+    assert len(qiao["greedy_tokens"]) == 4 and qiao["batch1_decode_tok_s"] > 0
+    assert qiao["greedy_tokens"] == greedy(gguf_of("llama"), _bench_prompt(report), n=4)
+    llamacpp = report["results"]["llama.cpp"]
+    if installed:
+        assert len(llamacpp["greedy_tokens"]) == 4
+    else:
+        assert "qiao[llamacpp]" in llamacpp["skipped"]
+    assert "b1 decode tok/s" in format_gguf_bench(report)
+
+
+def _bench_prompt(report: dict) -> list[int]:
+    """The benchmark's first prompt (its seeded generator, as it draws them)."""
+    rng = np.random.default_rng(0)
+    return rng.integers(16, 320, report["config"]["prompt_len"]).tolist()

@@ -1,4 +1,4 @@
-"""Argument wiring of `qiao bench {hw,throughput,latency,serve,embeddings,quality}`.
+"""Argument wiring of `qiao bench {hw,throughput,latency,serve,embeddings,quality,gguf}`.
 
 Only argparse lives here; each command imports its benchmark (and so torch) when it runs, so
 `qiao --help` stays fast.
@@ -107,6 +107,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_embeddings(sub)
     _add_soak(sub)
     _add_quality(sub)
+    _add_gguf(sub)
 
 
 # --- argument types ---------------------------------------------------------------------------
@@ -364,6 +365,52 @@ def _cmd_quality(args: argparse.Namespace) -> int:
 
     cfg = QualityConfig(args.model, args.quantization, args.max_tokens, args.kv_cache_dtype)
     return _report(run_quality, cfg, format_quality, args.json)
+
+
+# --- gguf -------------------------------------------------------------------------------------
+
+
+def _add_gguf(sub: argparse._SubParsersAction) -> None:
+    from qiao.bench.gguf import FILE_TYPES
+
+    p = sub.add_parser(
+        "gguf",
+        help="qiao against llama.cpp (llama-cpp-python) on the same GGUF file",
+        description="Load one GGUF file in qiao and in llama-cpp-python in turn (the same "
+        "threads) and measure batch-1 greedy decode tokens/s and offline output tokens/s on "
+        "the same random prompts. --shape writes the file first, random weights in "
+        "--file-type. llama-cpp-python is the optional extra qiao[llamacpp]; without it only "
+        "qiao runs and the report says how to install it.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", metavar="FILE", help="the .gguf file to load")
+    source.add_argument("--shape", choices=shape_names(), help="a built-in shape, random weights")
+    p.add_argument(
+        "--file-type", choices=FILE_TYPES, default="F32", help="with --shape: matrices' type"
+    )
+    p.add_argument("--prompt-len", type=_positive, default=128, help="prompt tokens (128)")
+    p.add_argument("--output-len", type=_positive, default=64, help="greedy tokens (64)")
+    p.add_argument("--batch", type=_positive, default=16, help="offline prompts (16)")
+    p.add_argument("--repeats", type=_positive, default=3, help="runs; medians reported (3)")
+    p.add_argument("--threads", type=_positive, default=None, help="both engines' threads")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.set_defaults(func=_cmd_gguf)
+
+
+def _cmd_gguf(args: argparse.Namespace) -> int:
+    from qiao.bench.gguf import GGUFBenchConfig, format_gguf_bench, run_gguf_bench
+
+    cfg = GGUFBenchConfig(
+        gguf=args.gguf,
+        shape=args.shape,
+        file_type=args.file_type,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        batch=args.batch,
+        repeats=args.repeats,
+        threads=args.threads,
+    )
+    return _report(run_gguf_bench, cfg, format_gguf_bench, args.json)
 
 
 # --- latency ----------------------------------------------------------------------------------

@@ -14,7 +14,10 @@ tokens/s and offline throughput on the same prompts, one engine at a time.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +203,267 @@ def _add_tokenizer(writer: Any, checkpoint: Path, vocab_size: int, config: dict)
     writer.add_add_bos_token(False)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+
+
+# --- the benchmark ----------------------------------------------------------------------------
+
+LLAMACPP_INSTALL = (
+    'pip install "qiao[llamacpp]" (or CMAKE_ARGS="-DGGML_NATIVE=ON" pip install '
+    '"llama-cpp-python>=0.3"; it builds llama.cpp from source, several minutes)'
+)
+
+
+@dataclass(frozen=True)
+class GGUFBenchConfig:
+    """`qiao bench gguf`: one GGUF file (given, or made from a built-in shape with random
+    weights), loaded by qiao and by llama.cpp in turn, measured on the same prompts."""
+
+    gguf: str | None = None
+    shape: str | None = None  # qiao/bench/shapes.py; the file is written in `file_type`
+    file_type: str = "F32"
+    prompt_len: int = 128
+    output_len: int = 64
+    batch: int = 16  # offline: this many prompts
+    repeats: int = 3
+    threads: int | None = None  # None: torch's thread count
+    workdir: str | None = None  # where a made file goes (default: a temporary folder)
+    engines: tuple[str, ...] = ("qiao", "llama.cpp")
+
+
+def run_gguf_bench(cfg: GGUFBenchConfig) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+
+    threads = cfg.threads or torch.get_num_threads()
+    with tempfile.TemporaryDirectory(dir=cfg.workdir) as tmp:
+        path = Path(cfg.gguf) if cfg.gguf else make_shape_gguf(cfg.shape, cfg.file_type, Path(tmp))
+        from qiao.models.gguf import open_gguf, read_gguf_arch_config
+
+        arch = read_gguf_arch_config(path)
+        kinds = sorted({t.tensor_type.name for t in open_gguf(path).tensors.values()})
+        rng = np.random.default_rng(0)
+        # Prompts of ordinary tokens (past the first few ids, where special tokens sit).
+        prompts = [
+            rng.integers(16, arch.vocab_size, cfg.prompt_len).tolist()
+            for _ in range(max(cfg.batch, cfg.repeats))
+        ]
+        results: dict[str, Any] = {}
+        for engine in cfg.engines:
+            run = {"qiao": _bench_qiao, "llama.cpp": _bench_llamacpp}[engine]
+            results[engine] = run(path, prompts, cfg, threads)
+        report = {
+            "benchmark": "gguf",
+            "file": path.name if cfg.gguf else f"{cfg.shape} {cfg.file_type} (random weights)",
+            "file_bytes": path.stat().st_size,
+            "tensor_types": kinds,
+            "architecture": arch.architecture,
+            "config": asdict(cfg),
+            "threads": threads,
+            "machine": _machine(),
+            "results": results,
+        }
+    a, b = (results.get(e, {}) for e in ("qiao", "llama.cpp"))
+    if a.get("greedy_tokens") and b.get("greedy_tokens"):
+        agree = 0
+        for x, y in zip(a["greedy_tokens"], b["greedy_tokens"], strict=False):
+            if x != y:
+                break
+            agree += 1
+        report["greedy_agreeing_prefix"] = agree
+    return report
+
+
+def make_shape_gguf(shape: str | None, file_type: str, folder: Path) -> Path:
+    """A GGUF of built-in `shape` with random weights (transformers' init) and a small
+    byte-level BPE vocabulary padded to the shape's vocabulary size."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qiao.bench.shapes import write_shape_dir
+
+    if shape is None:
+        raise ValueError("qiao bench gguf needs --gguf FILE or --shape NAME")
+    source = write_shape_dir(shape, folder / "source")
+    config = transformers.AutoConfig.from_pretrained(source)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(source)
+    del model
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_VOCAB_TEXT] * 4, trainer=trainer)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    ).save_pretrained(source)
+    return write_gguf(source, folder / f"{shape}-{file_type}.gguf", file_type)
+
+
+_VOCAB_TEXT = (
+    "Once upon a time there was a little fox who lived at the edge of a quiet forest. The "
+    "engine schedules requests, runs the model on a flat batch of tokens and samples the next "
+    "token of every sequence. Numbers too: 3.14159, 42, 1024 tokens; print('hello, world!')."
+)
+
+
+def _bench_qiao(path: Path, prompts: list[list[int]], cfg: GGUFBenchConfig, threads: int) -> dict:
+    from qiao.entrypoints.llm import LLM
+    from qiao.sampling_params import SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(path),
+        num_threads=threads,
+        max_num_seqs=cfg.batch,
+        max_model_len=cfg.prompt_len + cfg.output_len + 16,
+        enable_prefix_caching=False,
+        profile=None,
+    )
+    load_s = time.perf_counter() - started
+    engine = llm.engine
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    decode, prefill, tokens = [], [], []
+    for i in range(cfg.repeats):
+        engine.add_request(f"b1-{i}", prompts[i], params)
+        # The first step prefills the prompt (one chunk: prompt_len <= the step's token budget)
+        # and samples the first token; each later step decodes one.
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        first = time.perf_counter()
+        while not any(out.finished for out in outputs):
+            outputs = engine.step()
+        end = time.perf_counter()
+        tokens = tokens or list(next(o for o in outputs if o.finished).outputs[0].token_ids)
+        prefill.append(first - t0)
+        decode.append((cfg.output_len - 1) / (end - first))
+    offline = []
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[: cfg.batch], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        offline.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    methods = sorted({m.method.name for m in engine.runner.model.modules() if hasattr(m, "method")})
+    return {
+        "version": _version("qiao"),
+        "load_s": round(load_s, 2),
+        "linear_methods": methods,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "batch1_prefill_s": round(statistics.median(prefill), 4),
+        "batch1_decode_tok_s": round(statistics.median(decode), 2),
+        "offline_output_tok_s": round(statistics.median(offline), 2),
+        "greedy_tokens": tokens,
+        "runs": {"batch1_decode_tok_s": decode, "offline_output_tok_s": offline},
+    }
+
+
+def _bench_llamacpp(
+    path: Path, prompts: list[list[int]], cfg: GGUFBenchConfig, threads: int
+) -> dict:
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"skipped": f"llama-cpp-python is not installed: {LLAMACPP_INSTALL}"}
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=cfg.prompt_len + cfg.output_len + 16,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - started
+
+    def generate(prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        """(tokens, seconds to the first, seconds in all): greedy, one sequence."""
+        t0 = time.perf_counter()
+        out, first = [], None
+        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            out.append(token)
+            if len(out) == n:
+                break
+        return out, first - t0, time.perf_counter() - t0
+
+    generate(prompts[0], 4)
+    decode, prefill, tokens = [], [], []
+    for i in range(cfg.repeats):
+        out, first, total = generate(prompts[i], cfg.output_len)
+        tokens = tokens or out
+        prefill.append(first)
+        decode.append((cfg.output_len - 1) / (total - first))
+    offline = []
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        count = sum(len(generate(p, cfg.output_len)[0]) for p in prompts[: cfg.batch])
+        offline.append(count / (time.perf_counter() - t0))
+    return {
+        "version": llama_cpp.__version__,
+        "load_s": round(load_s, 2),
+        "batch1_prefill_s": round(statistics.median(prefill), 4),
+        "batch1_decode_tok_s": round(statistics.median(decode), 2),
+        # llama-cpp-python's Llama runs one sequence at a time: the prompts one after another.
+        "offline_output_tok_s": round(statistics.median(offline), 2),
+        "greedy_tokens": tokens,
+        "runs": {"batch1_decode_tok_s": decode, "offline_output_tok_s": offline},
+    }
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__}
+
+
+def format_gguf_bench(report: dict[str, Any]) -> str:
+    lines = [
+        f"GGUF: {report['file']} ({report['file_bytes'] / 1e6:.1f} MB, "
+        f"{', '.join(report['tensor_types'])}), {report['threads']} threads, "
+        f"{report['machine']['cpu']}",
+        f"{'engine':<10} {'load s':>7} {'prefill s':>10} {'b1 decode tok/s':>16} "
+        f"{'offline tok/s':>14}",
+    ]
+    for engine, r in report["results"].items():
+        if "skipped" in r:
+            lines.append(f"{engine:<10} skipped: {r['skipped']}")
+            continue
+        lines.append(
+            f"{engine:<10} {r['load_s']:>7.2f} {r['batch1_prefill_s']:>10.4f} "
+            f"{r['batch1_decode_tok_s']:>16.2f} {r['offline_output_tok_s']:>14.2f}"
+        )
+    if "greedy_agreeing_prefix" in report:
+        n = report["config"]["output_len"]
+        lines.append(
+            f"greedy tokens agreeing from the start: {report['greedy_agreeing_prefix']}/{n}"
+        )
+    return "\n".join(lines)
