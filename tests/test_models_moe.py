@@ -387,6 +387,23 @@ def test_int8_model_loads_and_generates(tiny_checkpoint):
     assert [len(o.outputs[0].token_ids) for o in outs] == [20, 20]
 
 
+def test_bfloat16_experts_follow_float32(tiny_checkpoint):
+    """bfloat16 (oneDNN matmuls on row buckets on this CPU): the sparse block's output within
+    bfloat16 rounding of float32's on the same weights."""
+    path = tiny_checkpoint("qwen3moe")
+    arch = load_arch_config(path)
+    cpu = torch.device("cpu")
+    blocks = [
+        load_model(path, arch, dtype=dtype, device=cpu).model.layers[0].mlp
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    hidden = torch.randn(37, arch.hidden_size)
+    with torch.inference_mode():
+        ref = blocks[0](hidden)
+        out = blocks[1](hidden.bfloat16()).float()
+    assert (out - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_batch_invariant_sparse_block_rows_equal_the_rows_alone(tiny_checkpoint, quantization):
     """`batch_invariant`: a token's output does not depend on the tokens beside it (which other
@@ -408,6 +425,25 @@ def test_batch_invariant_sparse_block_rows_equal_the_rows_alone(tiny_checkpoint,
         alone = torch.cat([block(hidden[i : i + 1]) for i in range(45)])
         for rows in (2, 7, 33, 45):
             assert torch.equal(block(hidden[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_the_sync_free_form_uses_the_experts_views_and_refuses_int8(monkeypatch):
+    """Where the experts' layers compute on views of the stacks (F.linear: CUDA; here with the
+    CPU's faster methods off) the form CUDA graphs capture reads the stacks; int8 copies cannot."""
+    monkeypatch.setenv("QIAO_DISABLE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("QIAO_DISABLE_ONEDNN_LINEAR", "1")
+    layer = _experts(5, 16, 8, seed=12)
+    hidden = torch.randn(9, 16)
+    weights, ids = _routing(9, 5, 2, seed=13, renormalize=False)
+    layer.prepare(None)
+    assert layer.gate_up_proj is None  # counted once, through the experts' layers
+    with torch.inference_mode():
+        grouped = layer(hidden, weights, ids)
+        torch.testing.assert_close(layer._forward_dense(hidden, weights, ids), grouped)
+    int8 = _experts(5, 16, 8, seed=12)
+    int8.prepare("int8")
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        int8._forward_dense(hidden, weights, ids)
 
 
 def test_unsupported_expert_quantization_is_a_config_error():

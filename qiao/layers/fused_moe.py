@@ -208,10 +208,8 @@ class FusedMoE(nn.Module):
                 )
                 linear.method.prepare(linear)
             setattr(self, f"experts_{name.removesuffix('_proj')}", linears)
-            stack = getattr(self, name).detach()
-            pointer = stack.untyped_storage().data_ptr()
-            if all(linear.weight.untyped_storage().data_ptr() == pointer for linear in linears):
-                self._views[name] = stack
+            if all(type(linear.method) is DenseMethod for linear in linears):  # views kept
+                self._views[name] = getattr(self, name).detach()
             delattr(self, name)
             self.register_parameter(name, None)
 
