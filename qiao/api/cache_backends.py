@@ -205,7 +205,9 @@ class RedisBackend:
         self.url = url
         self.namespace = namespace
         self.max_bytes = max_bytes
-        self._client: Any = redis_asyncio.from_url(url)
+        self._client: Any = redis_asyncio.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
 
     def _prefix(self, group: Group) -> str:
         return f"{self.namespace}:{group[0]}:{group[1]}:"
