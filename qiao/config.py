@@ -19,7 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("int8", "w8a8", "int4")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 # CPU default for the KV cache when no budget is given: this share of RAM, capped below.
 DEFAULT_CPU_KV_FRACTION = 0.10
 DEFAULT_CPU_KV_CAP_BYTES = 4 << 30
@@ -144,11 +144,13 @@ class SpeculativeConfig:
     `num_speculative_tokens` proposed tokens in the same forward as its next token."""
 
     # "ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the
-    # request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min).
+    # request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). "draft":
+    # the greedy tokens of a smaller model with the same vocabulary (`model`).
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # the draft checkpoint directory (method "draft")
 
     def __post_init__(self) -> None:
         _require(
@@ -162,6 +164,11 @@ class SpeculativeConfig:
             self.prompt_lookup_max >= self.prompt_lookup_min,
             "prompt_lookup_max",
             f"must be >= prompt_lookup_min ({self.prompt_lookup_min})",
+        )
+        _require(
+            (self.method == "draft") == (self.model is not None),
+            "speculative_model",
+            "names the draft checkpoint: needed with speculative_method draft, and only then",
         )
 
 
@@ -240,6 +247,7 @@ class EngineConfig:
         num_speculative_tokens: int = 4,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
+        speculative_model: str | None = None,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -286,6 +294,7 @@ class EngineConfig:
                 num_speculative_tokens=num_speculative_tokens,
                 prompt_lookup_min=prompt_lookup_min,
                 prompt_lookup_max=prompt_lookup_max,
+                model=speculative_model,
             ),
             lora=LoRAConfig(
                 max_loras=max_loras,

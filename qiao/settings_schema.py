@@ -211,8 +211,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "speculative_method",
         "speculative decoding: ngram (prompt lookup: propose the tokens that followed the last "
-        "n tokens' latest earlier occurrence; verified exactly, output unchanged)",
-        choices=("ngram",),
+        "n tokens' latest earlier occurrence) or draft (the greedy tokens of the smaller "
+        "--speculative-model); verified exactly, output unchanged",
+        choices=("ngram", "draft"),
+    ),
+    Setting(
+        "speculative_model",
+        "draft: the draft checkpoint directory (same vocabulary as the model)",
+        metavar="PATH",
     ),
     Setting(
         "num_speculative_tokens",

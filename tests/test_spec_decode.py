@@ -158,11 +158,12 @@ def test_rejection_sampler_matches_its_reference(draft):
 # --- the engine --------------------------------------------------------------------------------
 
 
-class OracleProposer:
+class OracleProposer(NgramProposer):
     """Proposes plain decoding's own continuation (from reference runs), wrong at one position in
     two steps out of three: full, partial and empty accepted runs all occur."""
 
     def __init__(self, references: list[list[int]], k: int) -> None:
+        super().__init__(k, 1, 1)
         self.references = references
         self.k = k
         self.calls = 0
@@ -381,3 +382,49 @@ def test_config_errors_name_the_setting(tiny):
         EngineConfig.create(str(tiny), speculative_method="ngram", num_speculative_tokens=0)
     config = EngineConfig.create(str(tiny), speculative_method="ngram")
     assert EngineConfig.from_dict(config.to_dict()) == config
+
+
+# --- draft model -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "qwen2"])
+def test_draft_model_greedy_identical_to_plain(tiny_checkpoint, plain, draft_arch):
+    """Draft = the target itself (every draft accepted) or another tiny model with the same
+    vocabulary; several requests at once, one of them sampled with a seed."""
+    draft = LLM(
+        str(tiny_checkpoint("llama")),
+        max_num_seqs=8,
+        batch_invariant=True,
+        speculative_method="draft",
+        speculative_model=str(tiny_checkpoint(draft_arch)),
+        num_speculative_tokens=3,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
+    for params in (greedy, seeded):
+        expected = _tokens(plain.generate(PROMPTS, params, use_tqdm=False))
+        stats_before = draft.engine.speculator.stats.as_dict()
+        assert _tokens(draft.generate(PROMPTS, params, use_tqdm=False)) == expected
+        stats = draft.engine.speculator.stats.as_dict()
+        proposed = (
+            stats["spec_decode_num_draft_tokens"] - stats_before["spec_decode_num_draft_tokens"]
+        )
+        accepted = (
+            stats["spec_decode_num_accepted_tokens"]
+            - stats_before["spec_decode_num_accepted_tokens"]
+        )
+        assert proposed > 0
+        if draft_arch == "llama" and params is greedy:
+            assert accepted == proposed  # the target's own argmax, every time
+    proposer = draft.engine.speculator.proposer
+    assert not proposer.sequences  # finished requests' draft copies were dropped
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def test_draft_model_must_share_the_vocabulary(tiny, stories_dir):
+    with pytest.raises(ConfigError, match="speculative_model: its vocabulary"):
+        LLM(str(tiny), speculative_method="draft", speculative_model=str(stories_dir))
+    with pytest.raises(ConfigError, match="speculative_model"):
+        EngineConfig.create(str(tiny), speculative_method="draft")
+    with pytest.raises(ConfigError, match="speculative_model"):
+        EngineConfig.create(str(tiny), speculative_method="ngram", speculative_model=str(tiny))

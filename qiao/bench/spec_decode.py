@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from qiao.bench.common import median, model_dir, write_json
-from qiao.settings_schema import add_engine_flags, resolve_engine_flags
+from qiao.bench.shapes import shape_names
+from qiao.settings_schema import (
+    add_engine_flags,
+    engine_group,
+    exclusive_group,
+    resolve_engine_flags,
+)
 
 DEFAULT_TEXT = (
     "KING HENRY. Now, lords, for France; the enterprise whereof shall be to you, as us, like "
@@ -177,12 +183,19 @@ def format_spec_bench(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qiao.bench.spec_decode", description=__doc__)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="PATH", help="checkpoint directory")
-    source.add_argument("--shape", help="a built-in shape with dummy weights (qiao/bench/shapes)")
+    parser = argparse.ArgumentParser(
+        prog="python -m qiao.bench.spec_decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = engine_group(parser, "model under test")
+    source = exclusive_group(group, required=True)
+    add_engine_flags(source, ["model"], config_flag=False, from_env=False)
+    source.add_argument(
+        "--shape", choices=shape_names(), help="a built-in model shape with dummy weights"
+    )
     add_engine_flags(
-        parser,
+        group,
         (*SPEC_SETTINGS, "dtype", "device", "seed", "num_threads"),
         defaults={"speculative_method": "ngram", "num_threads": 1},
         config_flag=False,

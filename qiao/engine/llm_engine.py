@@ -39,6 +39,7 @@ from qiao.outputs import RequestOutput
 from qiao.runner.grammar import GrammarCompiler
 from qiao.runner.model_runner import ModelRunner
 from qiao.sampling_params import SamplingParams
+from qiao.spec_decode.draft import DraftProposer
 from qiao.spec_decode.speculator import Speculator
 from qiao.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from qiao.tokenizer import load_eos_token_ids, load_tokenizer
@@ -116,7 +117,11 @@ class LLMEngine:
         self._refused_prompts: dict[bytes, float] = {}
         self._grammars: GrammarCompiler | None = None
         # Speculative decoding's proposals and counters (qiao/spec_decode); None: off.
-        self.speculator = None if config.speculative is None else Speculator(config.speculative)
+        self.speculator = (
+            None
+            if config.speculative is None
+            else Speculator(config.speculative, self._build_draft_proposer(config))
+        )
         self._lora_ids = itertools.count(1)
         for name, path in config.lora.lora_modules if config.lora is not None else ():
             self.add_lora(LoRARequest(name, next(self._lora_ids), path))
@@ -141,6 +146,38 @@ class LLMEngine:
             logger.info(
                 "matmul row buckets warmed: %d matmuls in %.2f s", runs, time.monotonic() - started
             )
+
+    def _build_draft_proposer(self, config: EngineConfig) -> DraftProposer | None:
+        """The draft model's runner and KV pool (`speculative_method` draft): as many blocks as
+        the model's, so every running request can hold its draft copy."""
+        spec = config.speculative
+        if spec is None or spec.model is None:
+            return None
+        arch = load_arch_config(spec.model)
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ConfigError(
+                f"speculative_model: its vocabulary has {arch.vocab_size} tokens and the model's "
+                f"{self.arch.vocab_size}; a draft model must share the model's tokenizer"
+            )
+        if arch.max_position_embeddings < self.max_model_len:
+            raise ConfigError(
+                f"speculative_model: its context is {arch.max_position_embeddings} tokens, "
+                f"shorter than max_model_len {self.max_model_len}; lower max_model_len"
+            )
+        mc = config.model
+        runner = ModelRunner(
+            arch,
+            None if mc.load_format == "dummy" else spec.model,
+            dtype=resolve_dtype(mc.dtype, arch.torch_dtype),
+            device=self.runner.device,
+            load_format=mc.load_format,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=config.cuda_graphs,
+        )
+        runner.init_kv_cache(self.num_kv_blocks, config.cache.block_size)
+        blocks = BlockManager(self.num_kv_blocks, config.cache.block_size, False)
+        return DraftProposer(runner, blocks, spec.num_speculative_tokens)
 
     def _build_runner(self, config: EngineConfig, device: torch.device) -> ModelRunner:
         mc = config.model

@@ -8,8 +8,14 @@ one vectorised compare of every window of the history with the suffix; no model 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from qiao.engine.request import Request
 
 
 class NgramProposer:
@@ -17,6 +23,13 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_batch(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
+        """Draft tokens for each request, at most min(k, room) each."""
+        return [
+            self.propose(np.fromiter(r.all_token_ids, np.int64, r.num_tokens), room)
+            for r, room in zip(requests, rooms, strict=True)
+        ]
 
     def propose(self, token_ids: np.ndarray, max_tokens: int | None = None) -> list[int]:
         """Up to `num_speculative_tokens` (and `max_tokens`) tokens to verify after `token_ids`

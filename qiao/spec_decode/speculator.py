@@ -15,13 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from qiao.config import SpeculativeConfig
 from qiao.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from qiao.engine.request import Request
+    from qiao.spec_decode.draft import DraftProposer
     from qiao.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -60,9 +59,10 @@ def can_speculate(request: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
+        """`draft`: the draft model's proposer (method "draft"), built by the engine."""
         self.config = config
-        self.proposer = NgramProposer(
+        self.proposer: NgramProposer | DraftProposer = draft or NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.stats = SpecDecodeStats(
@@ -77,19 +77,22 @@ class Speculator:
     ) -> None:
         """Count the step's verified drafts, then propose the running requests' next ones."""
         self._observe(scheduler_output, runner_output)
+        ready: list[Request] = []
+        rooms: list[int] = []
         for request in running:
-            request.spec_token_ids = self._propose(request)
-
-    def _propose(self, request: Request) -> list[int]:
-        # Only a request whose next step is a decode (its last token is the one gap) proposes;
-        # a step never outgrows the request's token limit.
-        room = request.max_total_tokens - request.num_tokens - 1
-        if request.num_tokens - request.num_computed_tokens != 1 or room <= 0:
-            return []
-        if not can_speculate(request):
-            return []
-        tokens = np.fromiter(request.all_token_ids, np.int64, request.num_tokens)
-        return self.proposer.propose(tokens, room)
+            request.spec_token_ids = []
+            # Only a request whose next step is a decode (its last token is the one gap)
+            # proposes; a step never outgrows the request's token limit.
+            room = request.max_total_tokens - request.num_tokens - 1
+            if request.num_tokens - request.num_computed_tokens != 1 or room <= 0:
+                continue
+            if can_speculate(request):
+                ready.append(request)
+                rooms.append(room)
+        # Called with no request too: a draft proposer then drops the state of finished ones.
+        drafts = self.proposer.propose_batch(ready, rooms)
+        for request, request_drafts in zip(ready, drafts, strict=True):
+            request.spec_token_ids = request_drafts
 
     def _observe(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         stats = self.stats
