@@ -238,10 +238,10 @@ def _dequantized_float_logits(path: Path) -> torch.Tensor:
     from qiao.layers.linear import prepare_linears
 
     prepare_linears(model, quantization=None, batch_hint=8)
-    block_size, blocks = 16, 1
+    block_size, blocks = 16, -(-len(PROMPT) // 16)
     shape = (2, blocks, block_size, arch.num_key_value_heads, arch.head_dim)
     model.bind_kv_caches([torch.zeros(shape) for _ in range(arch.num_hidden_layers)])
-    metadata = build_attn_metadata([len(PROMPT)], [len(PROMPT)], [[0]], block_size)
+    metadata = build_attn_metadata([len(PROMPT)], [len(PROMPT)], [list(range(blocks))], block_size)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(PROMPT), metadata.positions, metadata))
 

@@ -127,6 +127,9 @@ def _encode(data: np.ndarray, kind: str) -> tuple[np.ndarray, ...]:
     if kind == "F16":
         return (data.astype(np.float16),)
     qtype = GGMLQuantizationType[kind]
+    block = 256 if kind == "Q4_K" else 32
+    if data.shape[-1] % block:  # as llama.cpp's converter does: F16 where blocks do not fit
+        return (data.astype(np.float16),)
     if kind == "Q4_K":
         return quantize_q4_k(data), None, qtype
     return quants.quantize(data, qtype), None, qtype
