@@ -109,16 +109,41 @@ def int4_group_size(input_size: int) -> int:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> Int4Weights:
-    """float [N, K] -> Int4Weights, asymmetric per group: the group's min maps to code 0 and its
-    max to 15 (s = (max - min) / 15, o = -min), so 0 need not be representable exactly."""
+    """float [N, K] -> Int4Weights, asymmetric per group (0 need not be a code): codes rounded
+    on the group's [min, max] in 15 steps, then the scale and offset refit to those codes by
+    least squares (on stories260K: perplexity 3.48 against plain min/max's 3.54, float32 3.22).
+    Rows go `_ROWS_PER_CHUNK` at a time to bound the memory of the temporaries."""
     w = weight.detach().float()
     n, k = w.shape
     g = group_size or int4_group_size(k)
-    groups = w.reshape(n, k // g, g)
+    parts = [_quantize_groups(rows.reshape(-1, k // g, g)) for rows in w.split(_ROWS_PER_CHUNK)]
+    codes, scales, offsets = (torch.cat(part) for part in zip(*parts, strict=True))
+    return Int4Weights(codes.reshape(n, k), scales, offsets, g)
+
+
+_ROWS_PER_CHUNK = 1024
+
+
+def _quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[R, G, g] float32 -> codes uint8 [R, G, g], scales and offsets [R, G] (`quantize_int4`)."""
     low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scales = ((high - low) / 15.0).clamp(min=1e-12)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-    return Int4Weights(codes.to(torch.uint8).reshape(n, k), scales, -low, g)
+    step = ((high - low) / 15.0).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
+    scale, base = _refit(codes, groups, step)
+    return codes.to(torch.uint8), scale, -base
+
+
+def _refit(
+    codes: torch.Tensor, groups: torch.Tensor, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale s and base b minimising sum (codes * s + b - w)^2 per group (least squares);
+    a group of one code keeps `step` and gets its mean as b."""
+    code_mean, mean = codes.mean(dim=2), groups.mean(dim=2)
+    centred = codes - code_mean[..., None]
+    variance = centred.square().sum(dim=2)
+    covariance = (centred * (groups - mean[..., None])).sum(dim=2)
+    scale = torch.where(variance > 0, covariance / variance.clamp(min=1e-12), step)
+    return scale, mean - scale * code_mean
 
 
 def attach_int4_weights(

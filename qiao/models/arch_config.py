@@ -104,6 +104,9 @@ class ArchConfig:
 
     def __post_init__(self) -> None:
         _check_architecture(self.architecture)
+        if isinstance(self.quantization_config, dict):  # a worker's copy (dataclasses.asdict)
+            fmt = Int4CheckpointFormat(**self.quantization_config)
+            object.__setattr__(self, "quantization_config", fmt)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_key_value_heads: {self.num_key_value_heads} does not divide "
