@@ -449,3 +449,25 @@ def test_freed_blocks_serve_as_prefix_only_while_they_hold_it():
     assert num_hit < 20 and num_hit == 4 * len(hits_d)
     assert hits_d == hits[: len(hits_d)]  # the chain up to the first reused block
     assert not reused & set(b.block_id for b in hits_d)
+
+
+def test_freeing_with_chunked_prefill_and_prefix_hits_keeps_transformers_tokens(
+    tiny_checkpoint, monkeypatch
+):
+    """A 150-token prompt prefilled in chunks of 64 frees blocks between chunks; in a pool of
+    12 blocks, freed blocks are reused while the same prompt comes again (beside itself in one
+    step, then alone, taking prefix hits where freed blocks still hold it): every generation
+    equals transformers'."""
+    path = tiny_checkpoint("mistral")
+    prompt, other = _prompts([150, 20])
+    expected, expected_other = _hf_greedy(path, [prompt, other], 40)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=12, profile=None)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    peak = _PeakBlocks(monkeypatch)
+    outs = llm.generate([prompt, prompt, other], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [expected, expected, expected_other]
+    # A chunk of 64 after the window's 24 positions: at most ceil(87 / 16) + 1 blocks.
+    assert max(peak.peak.values()) <= 7, peak.peak
+    again = llm.generate([prompt], params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == expected
+    assert llm.engine.block_manager.num_hit_tokens > 0  # the prefix cache served some of it

@@ -156,6 +156,8 @@ class BlockManager:
             self._touch(block)
         owned = self.req_to_blocks.setdefault(request.request_id, owned)
         owned.extend(computed_blocks)
+        if self.sliding_window is not None and computed_blocks:
+            self._free_out_of_window(request, owned)  # hits before the window: not kept
         owned.extend(self._pop_free() for _ in range(max(num_required, 0)))
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, owned, num_total)
