@@ -153,7 +153,7 @@ def test_written_layout_is_what_transformers_reads(arch, gguf_of, tiny_checkpoin
 
 
 def test_arch_config_from_metadata(gguf_of, tiny_checkpoint):
-    for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2moe", "qwen3moe"):
         expected = load_arch_config(tiny_checkpoint(arch))
         got = read_gguf_arch_config(gguf_of(arch))
         for field in (
@@ -173,6 +173,12 @@ def test_arch_config_from_metadata(gguf_of, tiny_checkpoint):
             "sliding_window",
             "bos_token_id",
             "eos_token_ids",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "mlp_only_layers",
         ):
             # (Mistral is llama.cpp's llama arch; its sliding window makes it Mistral again.)
             assert getattr(got, field) == getattr(expected, field), (arch, field)
@@ -182,7 +188,9 @@ def test_arch_config_from_metadata(gguf_of, tiny_checkpoint):
 # --- numerics per format ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe"]
+)
 def test_f32_greedy_equals_source_checkpoint_and_transformers(arch, gguf_of, tiny_checkpoint):
     source = tiny_checkpoint(arch)
     from_gguf = greedy(gguf_of(arch), PROMPT)
@@ -205,6 +213,14 @@ def test_half_precision_logits_close_to_source(file_type, gguf_of, tiny_checkpoi
     got = qiao_logits(gguf_of("llama", file_type), PROMPT)
     tolerance = {"F16": 5e-3, "BF16": 3e-2}[file_type]
     assert (got - expected).abs().max().item() < tolerance * expected.abs().max().item()
+
+
+def test_q8_0_mixture_of_experts_runs_on_the_int8_path(gguf_of, tiny_checkpoint):
+    """Qwen3-MoE in Q8_0: experts and linears int8; greedy close to the float source."""
+    path = gguf_of("qwen3moe", "Q8_0")
+    expected = qiao_logits(tiny_checkpoint("qwen3moe"), PROMPT)
+    got = qiao_logits(path, PROMPT)
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
 
 
 def _reference_logits(path: Path) -> torch.Tensor:

@@ -30,6 +30,8 @@ _GGUF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 FILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K")
 
@@ -65,6 +67,13 @@ def write_gguf(checkpoint: str | Path, out: str | Path, file_type: str = "F32") 
         writer.add_value_length(arch.head_dim)
     if arch.sliding_window is not None:
         writer.add_sliding_window(arch.sliding_window)
+    if arch.num_experts:
+        writer.add_expert_count(arch.num_experts)
+        writer.add_expert_used_count(arch.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(arch.moe_intermediate_size)
+        if arch.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(arch.shared_expert_intermediate_size)
+        writer.add_expert_weights_norm(arch.norm_topk_prob)
     writer.add_file_type(_FILE_TYPE_IDS[file_type])
     _add_tokenizer(writer, checkpoint, arch.vocab_size, config)
 
@@ -72,7 +81,7 @@ def write_gguf(checkpoint: str | Path, out: str | Path, file_type: str = "F32") 
     for path in sorted(checkpoint.glob("*.safetensors")):
         weights.update(load_file(path))
     gguf_names = _gguf_names(name)
-    for hf, tensor in weights.items():
+    for hf, tensor in _split_stacked_experts(weights, arch.moe_intermediate_size):
         if arch.tie_word_embeddings and hf == "lm_head.weight":
             continue
         gguf_name = gguf_names(hf)
@@ -81,7 +90,7 @@ def write_gguf(checkpoint: str | Path, out: str | Path, file_type: str = "F32") 
             data = _permute(data, arch.num_attention_heads)
         elif name == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             data = _permute(data, arch.num_key_value_heads)
-        kind = file_type if data.ndim == 2 else "F32"
+        kind = file_type if data.ndim >= 2 else "F32"
         writer.add_tensor(gguf_name, *_encode(data, kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -93,6 +102,36 @@ def write_gguf(checkpoint: str | Path, out: str | Path, file_type: str = "F32") 
 _FILE_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "BF16": 32}
 
 
+def _split_stacked_experts(weights: dict, moe_size: int) -> Any:
+    """(name, tensor) with transformers 5's stacked experts as llama.cpp's three:
+    `mlp.experts.gate_up_proj` [E, 2I, H] -> `mlp.experts.gate_proj` and `up_proj` [E, I, H],
+    per-expert `mlp.experts.{e}.*_proj.weight` stacked alike."""
+    import torch
+
+    per_expert: dict[tuple[str, str], dict[int, Any]] = {}
+    for name, tensor in weights.items():
+        prefix, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            yield name, tensor
+        elif rest == "gate_up_proj":
+            yield f"{prefix}.mlp.experts.gate_proj", tensor[:, :moe_size]
+            yield f"{prefix}.mlp.experts.up_proj", tensor[:, moe_size:]
+        elif rest == "down_proj":
+            yield f"{prefix}.mlp.experts.down_proj", tensor
+        else:  # "{e}.gate_proj.weight"
+            expert, _, part = rest.partition(".")
+            per_expert.setdefault((prefix, part.removesuffix(".weight")), {})[int(expert)] = tensor
+    for (prefix, part), experts in per_expert.items():
+        yield f"{prefix}.mlp.experts.{part}", torch.stack([experts[e] for e in sorted(experts)])
+
+
+_EXPERT_GGUF = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+
+
 def _gguf_names(arch: str) -> Callable[[str], str]:
     """Hugging Face name -> llama.cpp name (qiao.models.gguf's mapping, inverted)."""
     from qiao.models.gguf import _BLOCK_NAMES, _GLOBAL_NAMES, _PHI3_BLOCK_NAMES
@@ -101,6 +140,9 @@ def _gguf_names(arch: str) -> Callable[[str], str]:
     globals_ = {hf: g for g, hf in _GLOBAL_NAMES.items()}
 
     def convert(name: str) -> str:
+        prefix, sep, part = name.partition(".mlp.experts.")
+        if sep:
+            return f"blk.{prefix.rpartition('.')[2]}.{_EXPERT_GGUF[part]}.weight"
         base, _, leaf = name.rpartition(".")
         if base in globals_:
             return f"{globals_[base]}.{leaf}"

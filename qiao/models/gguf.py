@@ -4,7 +4,8 @@ One `.gguf` file carries the architecture (metadata under `<arch>.*`), the token
 (`tokenizer.ggml.*`, `tokenizer.chat_template`) and the tensors under llama.cpp's names. This
 module turns each into qiao's form:
 
-- `read_gguf_arch_config`: the metadata as an `ArchConfig` (llama, qwen2, qwen3, phi3).
+- `read_gguf_arch_config`: the metadata as an `ArchConfig` (llama, qwen2, qwen3, phi3,
+  qwen2moe, qwen3moe).
 - `iter_gguf_weights`: (Hugging Face name, float tensor) of every tensor, llama.cpp's names mapped
   back (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) and, for the llama
   arch, the q/k row permutation of llama.cpp's converter undone. F32 / F16 / BF16 load as they
@@ -46,7 +47,10 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K")
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
@@ -72,6 +76,18 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, the shared expert and its gate (Qwen2-MoE).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# The routed experts, stacked [experts, out, in]: loaded as each expert's own tensor.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Phi-3's ffn_up holds gate and up stacked (its checkpoint's gate_up_proj).
 _PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"}
@@ -147,8 +163,28 @@ def read_gguf_arch_config(path: str | Path) -> ArchConfig:
         "bos_token_id": _token_id(f, "bos_token_id"),
         "eos_token_id": _token_id(f, "eos_token_id"),
         "torch_dtype": _float_dtype(f),
+        **_moe_config(f),
     }
     return ArchConfig.from_dict(config)
+
+
+def _moe_config(f: GGUFFile) -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE: experts per layer and per token, their sizes; a layer without a
+    router (`ffn_gate_inp`) is dense. llama.cpp renormalises the top-k weights for qwen3moe
+    unless `expert_weights_norm` says otherwise, never for qwen2moe."""
+    if f.arch not in _MOE_ARCHS:
+        return {}
+    layers = _meta_int(f, "block_count")
+    return {
+        "num_experts": _meta_int(f, "expert_count"),
+        "num_experts_per_tok": _meta_int(f, "expert_used_count"),
+        "moe_intermediate_size": _meta_int(f, "expert_feed_forward_length"),
+        "shared_expert_intermediate_size": f.get("expert_shared_feed_forward_length", 0),
+        "norm_topk_prob": bool(f.get("expert_weights_norm", f.arch == "qwen3moe")),
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors
+        ],
+    }
 
 
 def _meta_int(f: GGUFFile, key: str) -> int:
@@ -164,6 +200,8 @@ def _rows(f: GGUFFile, name: str) -> int | None:
 
 
 def _intermediate_size(f: GGUFFile) -> int:
+    if f.get("feed_forward_length") is None and f.arch in _MOE_ARCHS:
+        return _meta_int(f, "expert_feed_forward_length")  # no dense layer
     size = _meta_int(f, "feed_forward_length")
     return size[0] if isinstance(size, list) else size
 
@@ -269,7 +307,14 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     f = open_gguf(path)
     arch = read_gguf_arch_config(f.path)
     for name, tensor in f.tensors.items():
-        yield hf_name(name, f.arch), _unpermute(f, arch, name, dequantize_tensor(tensor, name))
+        weight = dequantize_tensor(tensor, name)
+        match = _BLOCK_RE.fullmatch(name)
+        if match is not None and match.group(2) in _EXPERT_NAMES:
+            layer, part = match.group(1), _EXPERT_NAMES[match.group(2)]
+            for expert, rows in enumerate(weight):
+                yield f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight", rows
+            continue
+        yield hf_name(name, f.arch), _unpermute(f, arch, name, weight)
 
 
 def gguf_int4_weights(path: str | Path) -> Iterator[tuple[str, Int4Weights]]:
