@@ -428,3 +428,26 @@ def test_draft_model_must_share_the_vocabulary(tiny, stories_dir):
         EngineConfig.create(str(tiny), speculative_method="draft")
     with pytest.raises(ConfigError, match="speculative_model"):
         EngineConfig.create(str(tiny), speculative_method="ngram", speculative_model=str(tiny))
+
+
+def test_grammar_requests_decode_beside_speculating_ones(stories_dir):
+    """Constrained requests do not speculate; in a step with verifying rows their masks still
+    land on their own rows, and every output equals plain decoding's."""
+    pytest.importorskip("llguidance")
+    prompt = "Once upon a time there was a little fox. Once upon a time"
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32),
+        SamplingParams(
+            temperature=1.0, seed=6, max_tokens=20, structured_outputs={"regex": "[a-c]{4}-[0-9]+"}
+        ),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=32),
+        SamplingParams(
+            temperature=0.0, max_tokens=10, structured_outputs={"choice": ["Tom", "Sue"]}
+        ),
+    ]
+    plain = LLM(str(stories_dir), max_num_seqs=8)
+    spec = LLM(str(stories_dir), max_num_seqs=8, speculative_method="ngram")
+    want = plain.generate([prompt] * 4, params, use_tqdm=False)
+    got = spec.generate([prompt] * 4, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert spec.engine.stats()["spec_decode_num_drafts"] > 0
