@@ -224,6 +224,15 @@ def test_grouped_equals_reference():
     y = layer.apply(x, torch.zeros(len(x), 32))
     expected = lora_reference(x, layer.lora_a, layer.lora_b, context.plan.token_slots)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert context.plan.offset is None  # slot 1's tokens are apart: gathered
+    # Sequences grouped by adapter (the base model's first): slices, no gather.
+    slots, lens = np.array([0, 1, 1, 2]), np.array([2, 3, 1, 2])
+    x = torch.randn(int(lens.sum()), 24)
+    context.plan = build_plan(slots, lens, torch.device("cpu"))
+    assert context.plan.offset == 2
+    y = layer.apply(x, torch.ones(len(x), 32))
+    expected = 1 + lora_reference(x, layer.lora_a, layer.lora_b, context.plan.token_slots)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     assert build_plan(np.zeros(3, np.int64), np.array([1, 2, 3]), torch.device("cpu")) is None
     context.plan = None
     assert layer.apply(x, torch.ones(len(x), 32)).eq(1).all()

@@ -30,6 +30,10 @@ class LoRAStepPlan:
     rows: torch.Tensor
     # (slot, start, end) of each active slot's slice of `rows`.
     segments: list[tuple[int, int, int]]
+    # When `rows` is one run of consecutive tokens (the step's sequences under adapters sit
+    # together, grouped by adapter: e.g. every sequence under one adapter), its first token:
+    # the layers then work on slices of x and y, without a gather or a scatter. Else None.
+    offset: int | None = None
 
 
 def build_plan(
@@ -48,10 +52,13 @@ def build_plan(
     # -> rows [3, 4, 5, 0, 1], segments [(1, 0, 3), (2, 3, 5)]
     slots, starts, counts = np.unique(sorted_slots[first:], return_index=True, return_counts=True)
     segments = [(int(s), int(a), int(a + c)) for s, a, c in zip(slots, starts, counts, strict=True)]
+    rows = order[first:]
+    consecutive = bool((np.diff(rows) == 1).all())
     return LoRAStepPlan(
         token_slots=torch.from_numpy(token_slots).to(device),
-        rows=torch.from_numpy(order[first:]).to(device),
+        rows=torch.from_numpy(rows).to(device),
         segments=segments,
+        offset=int(rows[0]) if consecutive else None,
     )
 
 
@@ -118,6 +125,12 @@ class LoRASlots:
             return y
         segments = [(s, a, b) for s, a, b in plan.segments if self.ranks[s]]
         if not segments:
+            return y
+        if plan.offset is not None:
+            for slot, start, end in segments:
+                rank, rows = self.ranks[slot], slice(plan.offset + start, plan.offset + end)
+                shrunk = x[rows] @ self.lora_a[slot, :rank].T
+                y[rows].addmm_(shrunk, self.lora_b[slot, :, :rank].T)
             return y
         x_rows = x.index_select(0, plan.rows)
         out = torch.zeros(len(x_rows), y.shape[-1], dtype=y.dtype, device=y.device)
