@@ -7,19 +7,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qiao.api.cache_backends import ENTRY_OVERHEAD_BYTES, CachedResponse, MemoryBackend
 from qiao.api.protocol import ChatCompletionRequest, CompletionRequest
 from qiao.api.response_cache import (
+    CacheSettings,
     body_fields,
     cache_key,
     is_deterministic,
     kserve_fields,
     replay_chunks,
 )
+from qiao.api.settings import load_settings
+from qiao.errors import ConfigError
 
 
 def key_of(body: dict, *, scope: str = "key-1", version: str = "1", tag: str = "t") -> str:
@@ -208,3 +213,46 @@ def test_chat_body_replays_as_role_then_content_and_tool_call_chunks() -> None:
         "usage": body["usage"],
     }
     assert json.dumps(replay_chunks(body, include_usage=False)[-1]).count("usage") == 0
+
+
+def test_settings_come_from_flags_environment_and_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = load_settings(
+        [
+            "--response-cache",
+            "--response-cache-max-bytes",
+            "4096",
+            "--response-cache-scope",
+            "shared",
+        ]
+    )
+    cache = CacheSettings.from_serve(settings)
+    assert (cache.enabled, cache.max_bytes, cache.scope, cache.backend) == (
+        True,
+        4096,
+        "shared",
+        "memory",
+    )
+    assert not CacheSettings.from_serve(load_settings([])).enabled  # off by default
+    monkeypatch.setenv("QIAO_RESPONSE_CACHE_TTL", "12.5")
+    config = tmp_path / "serve.yaml"
+    config.write_text("response-cache: true\nresponse_cache_backend: redis://127.0.0.1:1/0\n")
+    cache = CacheSettings.from_serve(load_settings(["--config", str(config)]))
+    assert (cache.enabled, cache.ttl, cache.backend) == (True, 12.5, "redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError, match="response-cache-backend"):
+        load_settings(["--response-cache-backend", "memcached://x"])
+    with pytest.raises(ConfigError, match="response-cache-ttl"):
+        load_settings(["--response-cache-ttl", "0"])
+
+
+def test_a_models_config_turns_its_cache_on_or_off_and_checks_its_values(tmp_path: Path) -> None:
+    from qiao.repository.config import read_model_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text("backend: embedding\nresponse_cache: {enabled: false, ttl: 30}\n")
+    section = read_model_config(path).response_cache
+    assert section is not None and (section.enabled, section.ttl) == (False, 30)
+    path.write_text("backend: embedding\nresponse_cache: {ttl: -1}\n")
+    with pytest.raises(ConfigError, match=r"response_cache\.ttl"):
+        read_model_config(path)

@@ -96,6 +96,7 @@ class MemoryBackend:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._groups: dict[Group, set[str]] = {}
         self._bytes: dict[str, int] = {}  # per model
+        self._counts: dict[str, int] = {}  # per model
         self._total = 0
         self._lock = threading.Lock()
 
@@ -154,21 +155,23 @@ class MemoryBackend:
 
     def usage(self) -> dict[str, tuple[int, int]]:
         with self._lock:
-            counts: dict[str, int] = {}
-            for entry in self._entries.values():
-                counts[entry.group[0]] = counts.get(entry.group[0], 0) + 1
-            return {model: (self._bytes.get(model, 0), n) for model, n in counts.items()}
+            return {model: (self._bytes[model], n) for model, n in self._counts.items()}
 
     async def close(self) -> None:
         with self._lock:
             self._entries.clear()
             self._groups.clear()
             self._bytes.clear()
+            self._counts.clear()
             self._total = 0
 
     def _add_bytes(self, model: str, size: int) -> None:
+        """Count one entry of `size` bytes in (size > 0) or out (size < 0)."""
         self._bytes[model] = self._bytes.get(model, 0) + size
+        self._counts[model] = self._counts.get(model, 0) + (1 if size > 0 else -1)
         self._total += size
+        if not self._counts[model]:
+            del self._counts[model], self._bytes[model]
 
     def _remove(self, key: str) -> None:
         entry = self._entries.pop(key)
@@ -178,8 +181,6 @@ class MemoryBackend:
             if not keys:
                 del self._groups[entry.group]
         self._add_bytes(entry.group[0], -entry.value.size)
-        if not self._bytes[entry.group[0]]:
-            del self._bytes[entry.group[0]]
 
 
 def _glob_escape(text: str) -> str:
