@@ -6,6 +6,7 @@ the tiny random checkpoints; the reference is `PeftModel.from_pretrained(...).me
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -299,3 +300,41 @@ def test_lora_modules_forms():
         parse_lora_modules(["nope"])
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig.create("m", enable_lora=True, tensor_parallel_size=2)
+
+
+def test_async_engine_loads_and_unloads_on_its_thread(base_dir, adapters, reference):
+    """The in-process server engine: a runtime load, a request under it (equal to PEFT's), an
+    unload; the commands run on the engine thread between steps."""
+    from qiao.engine.async_engine import AsyncEngine, GenerateRequest
+    from qiao.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.create(
+        str(base_dir),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    engine = AsyncEngine.build(lambda: LLMEngine(config))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run() -> list[int]:
+        engine.start()
+        try:
+            await engine.load_lora("all", adapters["all"].lora_path)
+            assert engine.lora_adapters() == {"all": adapters["all"].lora_path}
+            request = GenerateRequest("r0", PROMPTS[1], params, lora_name="all")
+            tokens: list[int] = []
+            async for output in engine.generate_all([request])[0]:
+                tokens += output.outputs[0].token_ids
+            await engine.unload_lora("all")
+            with pytest.raises(ModelNotFoundError):
+                await engine.unload_lora("all")
+            return tokens
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == reference("all", PROMPTS[1])[0]
+    assert engine.lora_adapters() == {}

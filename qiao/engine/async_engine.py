@@ -447,6 +447,8 @@ class AsyncEngine(EngineClient):
 
     async def _lora_command(self, name: str, path: str | None) -> None:
         """Run on the engine thread between steps (its slots are never written mid-step)."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailableError("the engine loop is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._commands.append(_LoRACommand(name, path, done))
