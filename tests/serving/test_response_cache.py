@@ -324,3 +324,34 @@ def test_redis_backend_is_shared_by_two_servers(redis_url: str, repo: Path, tmp_
     finally:
         one.stop()
         two.stop()
+
+
+def test_a_canary_split_never_answers_from_the_other_versions_entry(
+    tmp_path: Path, tiny_bert_checkpoint: Callable[[str], Path]
+) -> None:
+    root = tmp_path / "repo"
+    (root / "embed").mkdir(parents=True)
+    (root / "embed" / "config.yaml").write_text(
+        "backend: embedding\nversion_policy: all\ntraffic: {1: 50, 2: 50}\n"
+    )
+    shutil.copytree(tiny_bert_checkpoint("bert-model"), root / "embed" / "1")
+    shutil.copytree(tiny_bert_checkpoint("bert-mlm"), root / "embed" / "2")
+    args = ["--model-repository", str(root), "--response-cache", "--log-interval", "0"]
+    server = SubprocessServer(args, tmp_path / "server.log").wait_ready()
+    try:
+        # Round-robin over the two versions: each version's first answer is a miss, its second
+        # a hit with its own answer, never the other version's.
+        answers = [embed(server.base_url) for _ in range(4)]
+        statuses = [a.headers["x-qiao-cache"] for a in answers]
+        assert statuses == ["miss", "miss", "hit", "hit"]
+        first, second, third, fourth = (a.content for a in answers)
+        assert first != second
+        assert {third, fourth} == {first, second}
+        pinned = httpx.post(
+            server.base_url + "/v1/embeddings",
+            json={"model": "embed@1", "input": "hello world"},
+            timeout=60.0,
+        )
+        assert pinned.headers["x-qiao-cache"] == "miss"  # the body names embed@1: its own key
+    finally:
+        server.stop()
