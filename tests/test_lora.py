@@ -178,6 +178,12 @@ def test_lru_with_one_slot_evicts_and_reloads(base_dir, adapters, reference):
     manager = llm.engine.runner.lora
     assert manager.num_slot_evictions >= 4
     assert len(manager.cpu_cache) == 1 and len(manager.slots) == 1
+    # Two slots (none and one adapter) of 2 layers x 4 LoRA layers, counted as weights.
+    assert manager.slot_bytes() == sum(
+        (t.numel() * 4) for layer in manager.layers.values() for t in (layer.lora_a, layer.lora_b)
+    )
+    assert len(manager.layers) == 8 and all(len(x.ranks) == 2 for x in manager.layers.values())
+    assert llm.engine.memory_bytes()["weights"] > manager.slot_bytes() > 0
 
 
 def test_prefix_cache_is_not_shared_across_adapters(base_dir, adapters, reference):

@@ -474,10 +474,12 @@ class LLMEngine:
 
     def memory_bytes(self) -> dict[str, int]:
         """What this engine holds in device memory: weights (parameters and buffers, packed
-        copies included) and the KV pool."""
+        copies included, and the LoRA slots) and the KV pool."""
         model = self.runner.model
         tensors = [*model.parameters(), *model.buffers()]
         weights = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if self.runner.lora is not None:
+            weights += self.runner.lora.slot_bytes()
         kv = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
         return {"weights": weights, "kv_cache": kv}
 

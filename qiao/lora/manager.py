@@ -99,6 +99,14 @@ class LoRAManager:
             self._write_slot(slot, None)
             self.free_slots.append(slot)
 
+    def slot_bytes(self) -> int:
+        """Device memory of every layer's slots."""
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers.values()
+            for t in (layer.lora_a, layer.lora_b)
+        )
+
     def split(self, loras: Sequence[LoRARequest | None]) -> list[list[int]] | None:
         """Row indices of a step's parts, each with at most `max_loras` adapters; None when
         the step fits whole. E.g. max_loras 1, adapters [a, None, b, a] -> [[0, 1, 3], [2]]."""
