@@ -47,6 +47,21 @@ def test_ngram_latest_occurrence_longest_suffix_first():
     assert proposer.propose(tokens, max_tokens=0) == []
 
 
+def test_ngram_batch_keeps_each_requests_tokens_as_they_grow():
+    from types import SimpleNamespace
+
+    proposer = NgramProposer(3, 1, 3)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6, 40).tolist()
+    request = SimpleNamespace(request_id="r", all_token_ids=tokens[:5], num_tokens=5)
+    for length in (5, 6, 9, 30, 40):  # grows past the buffer's first size
+        request.all_token_ids, request.num_tokens = tokens[:length], length
+        (batch,) = proposer.propose_batch([request], [3])
+        assert batch == proposer.propose(np.array(tokens[:length]), 3)
+    proposer.propose_batch([], [])
+    assert not proposer._tokens  # a request no longer proposed for is forgotten
+
+
 def test_logit_rows_and_accepted_runs():
     assert verify.logit_rows(np.array([4, 9]), np.array([2, 0])).tolist() == [2, 3, 4, 9]
     assert verify.group_starts(np.array([2, 0, 1])).tolist() == [0, 3, 4]

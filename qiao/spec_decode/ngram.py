@@ -23,13 +23,31 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+        # Request id -> (buffer, filled): its tokens as int64, extended in place as it grows
+        # (tokens are only ever appended), so a step copies only the new ones.
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose_batch(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
-        """Draft tokens for each request, at most min(k, room) each."""
+        """Draft tokens for each request, at most min(k, room) each. The token buffers of
+        requests not in `requests` are dropped."""
+        wanted = {r.request_id for r in requests}
+        for request_id in [rid for rid in self._tokens if rid not in wanted]:
+            del self._tokens[request_id]
         return [
-            self.propose(np.fromiter(r.all_token_ids, np.int64, r.num_tokens), room)
+            self.propose(self._token_array(r), room)
             for r, room in zip(requests, rooms, strict=True)
         ]
+
+    def _token_array(self, request: Request) -> np.ndarray:
+        buffer, filled = self._tokens.get(request.request_id, (np.empty(0, np.int64), 0))
+        length = request.num_tokens
+        if len(buffer) < length:  # doubling, so the copies stay linear in the length
+            grown = np.empty(max(2 * len(buffer), length, 64), np.int64)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        buffer[filled:length] = request.all_token_ids[filled:length]
+        self._tokens[request.request_id] = (buffer, length)
+        return buffer[:length]
 
     def propose(self, token_ids: np.ndarray, max_tokens: int | None = None) -> list[int]:
         """Up to `num_speculative_tokens` (and `max_tokens`) tokens to verify after `token_ids`
