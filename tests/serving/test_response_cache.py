@@ -307,10 +307,17 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-def test_redis_backend_is_shared_by_two_servers(redis_url: str, repo: Path, tmp_path: Path) -> None:
+def test_redis_backend_is_shared_by_two_servers(
+    redis_url: str, repo: Path, tmp_path: Path, tiny_bert_checkpoint: Callable[[str], Path]
+) -> None:
     args = ["--model-repository", str(repo), "--response-cache-backend", redis_url]
+    args += ["--model-control-mode", "explicit", "--load-model", "embed"]
     args += ["--log-interval", "0", "--drain-timeout", "2"]
-    one = SubprocessServer(args, tmp_path / "one.log")
+    mgmt_port = free_port()
+    one = SubprocessServer(
+        [*args, "--management-port", str(mgmt_port), "--management-token", TOKEN],
+        tmp_path / "one.log",
+    )
     two = SubprocessServer(args, tmp_path / "two.log")
     try:
         one.wait_ready()
@@ -321,6 +328,23 @@ def test_redis_backend_is_shared_by_two_servers(redis_url: str, repo: Path, tmp_
         assert served.headers["x-qiao-cache"] == "hit"
         assert served.content == filled.content
         assert embed(two.base_url, "only here").headers["x-qiao-cache"] == "miss"
+        # A reload on one replica drops the version's entries for every replica.
+        shutil.rmtree(repo / "embed" / "1")
+        shutil.copytree(tiny_bert_checkpoint("bert-mlm"), repo / "embed" / "1")
+        reload = httpx.post(
+            f"http://127.0.0.1:{mgmt_port}/v1/repository/models/embed/reload",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=60.0,
+        )
+        assert reload.status_code == 200, reload.text
+        wait_until(
+            lambda: embed(two.base_url, "only here").headers["x-qiao-cache"] == "miss",
+            10.0,
+            "the reload on one server to drop the shared entries",
+            interval=0.1,
+        )
+        renewed = embed(one.base_url, "shared between replicas")
+        assert renewed.headers["x-qiao-cache"] == "miss" and renewed.content != filled.content
     finally:
         one.stop()
         two.stop()
