@@ -246,8 +246,14 @@ def test_dequantize_order():
 
 
 def test_w8a8_quality_on_stories260k_stays_within_measured_bounds(stories_dir):
+    # Measured (`qiao bench quality`, docs/results/w8a8_quality_stories260k_w8a8.json):
+    # perplexity 3.2207 float32 vs 3.2238 w8a8 (+0.10 %), 4/12 outputs identical, 55.5 % of
+    # positions agreeing, mean agreeing prefix 34.8 tokens (int8 weight-only: -0.23 %, 5/12,
+    # 71.7 %, 45.8). Bounds with a margin.
     report = measure_quality(str(stories_dir), "w8a8")
     assert report.num_prompts == 12 and report.max_tokens == 64
     assert report.perplexity_float32 == pytest.approx(3.2207, rel=1e-3)
-    assert abs(report.perplexity_change) <= 0.03
-    assert report.token_agreement >= 0.3
+    assert abs(report.perplexity_change) <= 0.01
+    assert report.exact_match_prompts >= 3 / 12
+    assert report.mean_agreeing_prefix >= 28
+    assert report.token_agreement >= 0.45
