@@ -36,8 +36,8 @@ from qiao.layers.quant_int4 import (
     unpack_int4,
 )
 
-PPL_BOUND = 0.12
-AGREEMENT_BOUND = 0.1
+PPL_BOUND = 0.10
+AGREEMENT_BOUND = 0.15
 needs_kernels = pytest.mark.skipif(int4_ops() is None, reason="int4 C++ kernels unavailable")
 
 
@@ -117,7 +117,8 @@ def test_int4_dequantize_kernel_matches_unpack(block0, blocks):
     p = pack_int4(w)
     out = int4_ops().int4_dequantize(p.packed, p.scales, p.offsets, 32, 100, 192, block0, blocks)
     expected = dequantize_int4(unpack_int4(p, block0, blocks))
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert out.shape == (192, 16 * blocks)  # transposed: W^T, the right operand of x @ W^T
+    torch.testing.assert_close(out.t(), expected, rtol=1e-6, atol=1e-6)
 
 
 def _prepare(layer: LinearBase) -> None:
@@ -222,8 +223,8 @@ def test_llm_int4_greedy_runs_on_every_linear(tiny_checkpoint):
 
 def test_int4_quality_on_stories260k_stays_within_measured_bounds(stories_dir):
     """Measured (docs/quantization.md): stories260K's 64 features leave groups of 32, two a
-    row, and int4 costs it ~10% perplexity where int8 costs nothing; greedy text still agrees
-    for a while. Bounds a little below what was measured, to catch a regression."""
+    row; int4 costs it +8.1% perplexity (int8: -0.2%) and 18.5% of greedy positions agree with
+    float32 (int8: 71.7%). Bounds a little below the measured figures catch a regression."""
     report = measure_quality(str(stories_dir), "int4")
     assert report.perplexity_float32 == pytest.approx(3.2207, rel=1e-3)
     assert abs(report.perplexity_change) <= PPL_BOUND

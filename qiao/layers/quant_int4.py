@@ -411,7 +411,8 @@ class Int4Method(LinearMethod):
         self, layer: LinearBase, rows: torch.Tensor, ops: ModuleType | None
     ) -> torch.Tensor:
         """rows [M, K] x the weight, one tile of output features at a time: each tile is
-        dequantized to float32 (the C++ kernel or `unpack_int4`) and multiplied in rows' dtype."""
+        dequantized to float32 W^T [K, n] (the C++ kernel, else `unpack_int4`) and multiplied
+        in rows' dtype, so the whole float matrix never exists."""
         n, k = layer.output_size, layer.int4_input_size
         p = PackedInt4(
             layer.weight, layer.weight_scales, layer.weight_offsets, layer.int4_group_size, n
@@ -426,11 +427,15 @@ class Int4Method(LinearMethod):
                     p.packed, p.scales, p.offsets, p.group_size, n, k, b, size
                 )
             else:
-                tile = dequantize_int4(unpack_int4(p, b, size))
+                tile = dequantize_int4(unpack_int4(p, b, size)).t()
             n0, n1 = b * _BLOCK, min(n, (b + size) * _BLOCK)
-            tile = tile[: n1 - n0].to(rows.dtype)
-            bias = None if layer.bias is None else layer.bias[n0:n1].to(rows.dtype)
-            out[:, n0:n1] = self.rows_matmul(lambda r, t=tile, c=bias: F.linear(r, t, c), rows)
+            tile = tile[:, : n1 - n0].to(rows.dtype)
+            if layer.bias is None:
+                out[:, n0:n1] = self.rows_matmul(lambda r, t=tile: r @ t, rows)
+            else:
+                bias = layer.bias[n0:n1].to(rows.dtype)
+                matmul = lambda r, t=tile, c=bias: torch.addmm(c, r, t)  # noqa: E731
+                out[:, n0:n1] = self.rows_matmul(matmul, rows)
         return out
 
 

@@ -169,42 +169,51 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
-// Output features 16 * block0 .. 16 * (block0 + blocks) of a packed weight as float32
-// [16 * blocks, K] (rows past N hold what their zero padding dequantizes to: zeros).
+// Output features 16 * block0 .. 16 * (block0 + blocks) of a packed weight, dequantized and
+// transposed: float32 [K, 16 * blocks], the right operand of x @ W^T (features past N are
+// their zero padding: zeros). One 64-byte chunk gives 8 input features of 16 outputs.
 torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
                               int64_t group, int64_t N, int64_t K, int64_t block0, int64_t blocks) {
+  TORCH_CHECK(int4_linear_available(), "int4_dequantize: this build has no AVX-512 VNNI");
   check_packed(packed, scales, offsets, K, group, N);
   TORCH_CHECK(block0 >= 0 && blocks >= 0 && 16 * (block0 + blocks) < N + kBlock,
               "int4_dequantize: blocks out of range");
-  auto out = torch::empty({blocks * kBlock, K}, scales.options());
+  auto out = torch::empty({K, blocks * kBlock}, scales.options());
+#ifdef QIAO_INT4_VNNI
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* opp = offsets.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t G = K / group, chunks = K / kChunk;
+  const int64_t G = K / group, chunks = K / kChunk, ld = blocks * kBlock;
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
   at::parallel_for(0, blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = block0 + i;
       const uint8_t* wb = wp + b * chunks * kChunkBytes;
-      for (int64_t r = 0; r < kBlock; ++r) {
-        float* row = op + (i * kBlock + r) * K;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t g = c * kChunk / group;
-          const float s = sp[(b * G + g) * kBlock + r], o = opp[(b * G + g) * kBlock + r];
-          const uint8_t* bytes = wb + c * kChunkBytes + r * 4;
-          for (int j = 0; j < 4; ++j) {
-            row[c * kChunk + j] = static_cast<float>(bytes[j] & 0x0F) * s - o;
-            row[c * kChunk + 4 + j] = static_cast<float>(bytes[j] >> 4) * s - o;
-          }
+      float* col = op + i * kBlock;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t g = c * kChunk / group;
+        const __m512 s = _mm512_loadu_ps(sp + (b * G + g) * kBlock);
+        const __m512 o = _mm512_loadu_ps(opp + (b * G + g) * kBlock);
+        const __m512i v = _mm512_loadu_si512(wb + c * kChunkBytes);
+        // Byte j of each 32-bit lane: input feature 8c + j low, 8c + 4 + j high.
+        for (int j = 0; j < 4; ++j) {
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4), low4);
+          _mm512_storeu_ps(col + (c * kChunk + j) * ld,
+                           _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), o));
+          _mm512_storeu_ps(col + (c * kChunk + 4 + j) * ld,
+                           _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), o));
         }
       }
     }
   });
+#endif
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_available", &int4_linear_available, "whether int4_linear is compiled here");
   m.def("int4_linear", &int4_linear, "x @ W^T + bias over a pack_int4 weight, for few rows of x");
-  m.def("int4_dequantize", &int4_dequantize, "float32 rows of a pack_int4 weight, block-wise");
+  m.def("int4_dequantize", &int4_dequantize, "W^T [K, 16 * blocks] float32 of a pack_int4 weight");
 }
