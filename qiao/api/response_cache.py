@@ -12,7 +12,7 @@ writes. Every answer of a route the cache covers says what happened in `X-Qiao-C
 The key (`cache_key`) is the sha256 of a canonical JSON (sorted keys) of: the route, the model
 and the version that serves the request (chosen first, so a canary split never mixes
 versions), that version's build tag (the fingerprint of its files and config: another build of
-the same version number never matches), the scope (the API key's name, or `*` with
+the same version number never matches), the scope (the digest of the API key's secret, or `*` with
 `--response-cache-scope shared`), and the request body as its pydantic model reads it
 (defaults filled in) without the fields that do not change the answer: `stream`,
 `stream_options`, `user`, `priority`, `timeout`, `cache`. A hit returns the stored bytes, `id`
@@ -128,6 +128,13 @@ def kserve_fields(payload: dict[str, Any], binary: bytes) -> dict[str, Any]:
     fields["parameters"] = {k: v for k, v in parameters.items() if k not in KSERVE_NOT_IN_KEY}
     fields["binary_sha256"] = hashlib.sha256(binary).hexdigest()
     return fields
+
+
+def key_scope(request: Request) -> str:
+    """The API key's part of the key: the digest of its secret (the same key on every replica,
+    whatever its name or place in --api-key), "" without keys."""
+    key = key_of(request)
+    return key.digest.hex() if key is not None else ""
 
 
 def is_deterministic(body: Any) -> bool:
@@ -348,8 +355,7 @@ class ResponseCache:
             skip = await skip_requested(request)
         if skip or not cacheable:
             return Lookup("skip")
-        key_obj = key_of(request)
-        scope = "*" if self.settings.scope == "shared" else (key_obj.name if key_obj else "")
+        scope = "*" if self.settings.scope == "shared" else key_scope(request)
         body = fields() if callable(fields) else fields
         key = cache_key(route, served.model, served.version, tag, scope, body)
         group = (served.model, served.version)
