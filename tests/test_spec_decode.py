@@ -18,7 +18,11 @@ from qiao.config import EngineConfig
 from qiao.errors import ConfigError
 from qiao.runner.sampler import inverse_cdf_sample
 from qiao.spec_decode import verify
-from qiao.spec_decode.ngram import NgramProposer, find_ngram_continuation
+from qiao.spec_decode.ngram import (
+    NgramProposer,
+    find_ngram_continuation,
+    find_ngram_continuation_reference,
+)
 from qiao.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
 
 # A repetitive prompt (ids below the tiny vocabulary): the lookup finds its spans again.
@@ -45,6 +49,16 @@ def test_ngram_latest_occurrence_longest_suffix_first():
     assert proposer.propose(tokens) == [4, 9, 2, 3]
     assert proposer.propose(tokens, max_tokens=1) == [4]
     assert proposer.propose(tokens, max_tokens=0) == []
+
+
+def test_ngram_lookup_matches_its_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        tokens = rng.integers(0, rng.integers(1, 6), rng.integers(1, 40))
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 3)), int(rng.integers(1, 5))
+        want = find_ngram_continuation_reference(tokens, min_n, max_n, k)
+        assert find_ngram_continuation(tokens, min_n, max_n, k).tolist() == want.tolist()
 
 
 def test_ngram_batch_keeps_each_requests_tokens_as_they_grow():

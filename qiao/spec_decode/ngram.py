@@ -3,7 +3,9 @@ request's last n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_m
 
 Text that copies spans of its prompt (editing, extraction, code rewrites) repeats long runs, so
 the tokens after an earlier copy of the current suffix are often the next ones. The lookup costs
-one vectorised compare of every window of the history with the suffix; no model runs.
+one vectorised compare of the history with the last token and one of the candidate windows found
+with the suffix; no model runs. `find_ngram_continuation_reference` (every window compared, n by
+n) is the test oracle.
 """
 
 from __future__ import annotations
@@ -69,13 +71,35 @@ def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) 
     E.g. tokens [1, 2, 3, 4, 1, 2], n = 2, k = 3 -> the window [1, 2] at 0 -> [3, 4, 1].
     """
     length = len(tokens)
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return tokens[:0]
+    # Candidate window ends: earlier positions holding the last token, each followed by one.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    ends = ends[ends >= min_n - 1]
+    if not len(ends):
+        return tokens[:0]
+    # matched[c, j]: the token j before end c equals the token j before the last one; a run of
+    # leading matches is that window's match length. E.g. tokens [1, 2, 3, 4, 1, 2], end 1:
+    # [2 == 2, 1 == 1] -> length 2.
+    back = ends[:, None] - np.arange(max_n)
+    matched = (tokens[np.maximum(back, 0)] == tokens[length - 1 - np.arange(max_n)]) & (back >= 0)
+    run = matched.cumprod(axis=1).sum(axis=1)
+    best = run.max()
+    if best < min_n:
+        return tokens[:0]
+    end = ends[np.flatnonzero(run == best)[-1]]  # the latest of the longest
+    return tokens[end + 1 : end + 1 + k]
+
+
+def find_ngram_continuation_reference(
+    tokens: np.ndarray, min_n: int, max_n: int, k: int
+) -> np.ndarray:
+    """The same answer, every window of each length n compared with the suffix."""
+    length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        # Windows that end before the last token, so at least one token follows each:
-        # window i covers tokens[i : i + n] for i in [0, length - n - 1].
         windows = sliding_window_view(tokens[: length - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        starts = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if len(starts):
-            first = starts[-1] + n
-            return tokens[first : first + k]
+            return tokens[starts[-1] + n : starts[-1] + n + k]
     return tokens[:0]
