@@ -2,7 +2,8 @@
 
 One run, side by side: an engine without LoRA, then one with `enable_lora` whose decode steps
 run 0, 1 and 4 distinct adapters (random PEFT-format adapters of rank R on all seven
-projections) over the same batch of sequences; and, per projection shape, the grouped LoRA
+projections) over the same batch of sequences (4 adapters: interleaved, so each layer gathers
+its rows, then with the sequences grouped by adapter, so it works on slices); and, per projection shape, the grouped LoRA
 computation (`LoRASlots.apply`) against a bgmv-style batched gather (`torch.bmm` over each
 token's own A and B) at the same decode rows. Random weights of the SmolLM2-135M shape
 (`load_format="dummy"`), float32, CPU. Medians of the timed steps; wrap the run in
@@ -179,6 +180,8 @@ def main() -> None:
         results["LoRA engine, 1 adapter"] = decode_step_ms(llm, [adapters[0]] * n, 32, args.steps)
         four = [adapters[i % 4] for i in range(n)]
         results["LoRA engine, 4 adapters"] = decode_step_ms(llm, four, 32, args.steps)
+        grouped = sorted(four, key=lambda lora: lora.lora_int_id)
+        results["  the same, grouped"] = decode_step_ms(llm, grouped, 32, args.steps)
     print(f"decode step, {n} sequences, {args.layers} layers, rank {args.rank} (median ms):")
     for label, ms in results.items():
         print(f"  {label:28s} {ms:8.2f}")
