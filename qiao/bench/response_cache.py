@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import re
@@ -118,6 +119,16 @@ def summary(results: list[tuple[float, str]], wall: float) -> dict[str, Any]:
     }
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qiao.bench.response_cache")
     parser.add_argument("--model", help="checkpoint to serve (default: the built-in demo)")
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "serve_args": serve,
         },
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count()},
         "modes": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
