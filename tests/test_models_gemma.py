@@ -471,3 +471,17 @@ def test_freeing_with_chunked_prefill_and_prefix_hits_keeps_transformers_tokens(
     again = llm.generate([prompt], params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == expected
     assert llm.engine.block_manager.num_hit_tokens > 0  # the prefix cache served some of it
+
+
+@pytest.mark.parametrize("arch_name", ["gemma2", "gemma3"])
+def test_tp2_gives_the_greedy_tokens_of_tp1(tiny_checkpoint, arch_name):
+    """Split over 2 gloo ranks (2 of the 4 heads and 1 of the 2 kv heads each; the caps, the
+    q/k norms and the windows per rank), prompts past the window: the tokens of one rank."""
+    from test_tensor_parallel import _greedy as greedy_tp
+    from test_tensor_parallel import _same
+
+    path = tiny_checkpoint(arch_name)
+    prompts = [{"prompt_token_ids": p} for p in _prompts([30, 7])]
+    one, two = greedy_tp(path, prompts, 1), greedy_tp(path, prompts, 2)
+    assert len(set(one["tokens"][0])) > 1
+    _same(one, two)
