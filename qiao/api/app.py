@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from qiao.api import triton_metrics
+from qiao.api import response_cache, triton_metrics
 from qiao.api.batches import BatchWorker
 from qiao.api.batches import router as batches_router
 from qiao.api.console import ConsoleShell
@@ -109,6 +109,7 @@ def create_app(
         manager.on_ready = lambda served: _observe(metrics, served)
     cache = ResponseCache(CacheSettings.from_serve(settings), metrics.registry)
     _track_versions(cache, manager)
+    response_cache.register(manager, cache)  # for the gRPC service, which holds the manager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

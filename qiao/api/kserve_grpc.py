@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from qiao.api import response_cache
+from qiao.api.cache_backends import CachedResponse
 from qiao.api.keys import ApiKey, KeyLimiter, KeyRing, limit_message
 from qiao.api.kserve_reports import model_config, model_statistics
 from qiao.api.kserve_tensors import (
@@ -341,16 +344,30 @@ class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
         if self._keys is None:
-            return await self._infer(request, None)
+            return await self._infer(request, None, context)
         key = self._keys.key_of(context)
         with self._keys.admitted(key, request.model_name):
-            return await self._infer(request, key)
+            return await self._infer(request, key, context)
 
-    async def _infer(self, request: pb.ModelInferRequest, key: ApiKey | None) -> Any:
-        options = parse_options(_parameters(request.parameters))
-        served = self._router().get(
-            request.model_name, request.model_version or None, user=options.user
-        )
+    async def _infer(self, request: pb.ModelInferRequest, key: ApiKey | None, context: Any) -> Any:
+        parameters = _parameters(request.parameters)
+        options = parse_options(parameters)
+        router = self._router()
+        served = router.get(request.model_name, request.model_version or None, user=options.user)
+        cache = response_cache.cache_for(router)
+        lookup = response_cache.Lookup(None)
+        if cache is not None:
+            lookup = await cache.lookup(
+                None,
+                served,
+                "kserve.grpc_infer",
+                lambda: {"request_sha256": _request_digest(request)},
+                skip=response_cache.kserve_skip_requested({"parameters": parameters}),
+                api_key=key,
+            )
+        if lookup.hit is not None:
+            await context.send_initial_metadata(((CACHE_METADATA, "hit"),))
+            return pb.ModelInferResponse.FromString(lookup.hit.body)
         headers = [parse_header(t.name, t.datatype, list(t.shape)) for t in request.inputs]
         if not headers:
             raise ConfigError("'inputs' must not be empty")
@@ -367,7 +384,27 @@ class _InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         for name, array in select_outputs(served, results, requested):
             response.outputs.add(name=name, datatype=datatype_of(name, array), shape=array.shape)
             response.raw_output_contents.append(to_raw(name, array))
+        if cache is not None and lookup.status == "miss":
+            value = CachedResponse(response.SerializeToString(), "application/grpc+proto")
+            await cache.store(lookup.key, lookup.group, served, value, lookup.ttl)
+        if lookup.status is not None:
+            await context.send_initial_metadata(((CACHE_METADATA, lookup.status),))
         return response
+
+
+# The response cache's outcome (hit, miss, skip), as the HTTP routes' X-Qiao-Cache header.
+CACHE_METADATA = response_cache.CACHE_HEADER.lower()
+
+
+def _request_digest(request: pb.ModelInferRequest) -> str:
+    """The sha256 of the request's deterministic serialization, its scheduling parameters left
+    out (the response cache's key)."""
+    copy = pb.ModelInferRequest()
+    copy.CopyFrom(request)
+    for name in response_cache.KSERVE_NOT_IN_KEY:
+        if name in copy.parameters:
+            del copy.parameters[name]
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Off by default (`--response-cache` turns it on; a model's `response_cache:` in its config.yaml
 turns it on or off for that model). What is cached: completions and chat that are greedy
 (`temperature: 0`) or seeded, embeddings, and KServe infers (every served backend answers them
-deterministically: encoders, onnx, and LLMs greedily). Only whole successful answers are stored
+deterministically: encoders, onnx, and LLMs greedily), over HTTP and gRPC (`cache_for` finds
+the cache of the app serving the gRPC service's model manager). Only whole successful answers are stored
 (every choice ended by stop, length or a tool call); errors, timeouts and streams that missed
 are not. A request with `cache: false` (KServe: `parameters.cache: false`) neither reads nor
 writes. Every answer of a route the cache covers says what happened in `X-Qiao-Cache`: `hit`,
@@ -130,13 +131,6 @@ def kserve_fields(payload: dict[str, Any], binary: bytes) -> dict[str, Any]:
     return fields
 
 
-def key_scope(request: Request) -> str:
-    """The API key's part of the key: the digest of its secret (the same key on every replica,
-    whatever its name or place in --api-key), "" without keys."""
-    key = key_of(request)
-    return key.digest.hex() if key is not None else ""
-
-
 def is_deterministic(body: Any) -> bool:
     """A completions or chat request whose answer is fixed by its input: greedy or seeded."""
     return body.temperature == 0 or body.seed is not None
@@ -183,6 +177,22 @@ async def lookup(
     if cache is None:
         return Lookup(None)
     return await cache.lookup(request, served, route, fields, cacheable=cacheable, skip=skip)
+
+
+# The cache of the app serving a model manager, for the gRPC service (which holds the manager).
+_BY_ROUTER: weakref.WeakKeyDictionary[Any, ResponseCache] = weakref.WeakKeyDictionary()
+
+
+def register(router: Any, cache: ResponseCache) -> None:
+    _BY_ROUTER[router] = cache
+
+
+def cache_for(router: Any) -> ResponseCache | None:
+    """The response cache of the app serving `router`, if any."""
+    try:
+        return _BY_ROUTER.get(router)
+    except TypeError:  # a router that cannot be weakly referenced or hashed has none
+        return None
 
 
 # --- the cache -------------------------------------------------------------------------------
@@ -338,38 +348,44 @@ class ResponseCache:
 
     async def lookup(
         self,
-        request: Request,
+        request: Request | None,
         served: Any,
         route: str,
         fields: dict[str, Any] | Callable[[], dict[str, Any]],
         *,
         cacheable: bool = True,
         skip: bool | None = None,
+        api_key: Any = None,
     ) -> Lookup:
-        """What the cache holds for this request on `served` (the version chosen for it)."""
+        """What the cache holds for this request on `served` (the version chosen for it).
+        Without an HTTP `request` (gRPC), `api_key` is the caller's key and `skip` is given."""
         tag, policy = self._tag(served)
         enabled = self.settings.enabled if policy.enabled is None else policy.enabled
         if not enabled:
             return Lookup(None)
         if skip is None:  # read from the JSON body
-            skip = await skip_requested(request)
+            skip = request is not None and await skip_requested(request)
         if skip or not cacheable:
             return Lookup("skip")
-        scope = "*" if self.settings.scope == "shared" else key_scope(request)
+        if self.settings.scope == "shared":
+            scope = "*"
+        else:  # the digest of the key's secret: the same on every replica, whatever its name
+            key = key_of(request) if request is not None else api_key
+            scope = key.digest.hex() if key is not None else ""
         body = fields() if callable(fields) else fields
-        key = cache_key(route, served.model, served.version, tag, scope, body)
+        digest = cache_key(route, served.model, served.version, tag, scope, body)
         group = (served.model, served.version)
         try:
-            hit = await self.backend.get(key, group)
+            hit = await self.backend.get(digest, group)
         except Exception as exc:  # a shared backend down: answer from the engine
             logger.warning("response cache: lookup failed (%s); answering without it", exc)
             return Lookup("skip")
         if hit is not None:
             self.hits.labels(served.model).inc()
-            return Lookup("hit", self, key, group, served, hit=hit)
+            return Lookup("hit", self, digest, group, served, hit=hit)
         self.misses.labels(served.model).inc()
         ttl = policy.ttl if policy.ttl is not None else self.settings.ttl
-        return Lookup("miss", self, key, group, served, ttl=ttl)
+        return Lookup("miss", self, digest, group, served, ttl=ttl)
 
     async def store(
         self, key: str, group: Group, served: Any, value: CachedResponse, ttl: float

@@ -10,7 +10,9 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import pytest
 
@@ -30,6 +32,9 @@ CHAT = {
 }
 
 
+GRPC_PORT = free_port()
+
+
 def cache_series(metrics: str, name: str, model: str = LLM) -> float:
     match = re.search(rf'^qiao:response_cache_{name}{{model_name="{model}"}} (\S+)$', metrics, re.M)
     return float(match.group(1)) if match else 0.0
@@ -40,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServe
     """The built-in demo models (an LLM and MiniLM) with the cache on and two API keys."""
     log = tmp_path_factory.mktemp("response-cache") / "server.log"
     args = ["--response-cache", "--api-key", KEY_A, "--api-key", KEY_B, "--log-interval", "0"]
-    server = SubprocessServer(args, log)
+    server = SubprocessServer([*args, "--grpc-port", str(GRPC_PORT)], log)
     try:
         yield server.wait_ready()
     finally:
@@ -157,6 +162,40 @@ def test_embeddings_and_kserve_infers_are_hits(client: httpx.Client) -> None:
     )
     skipped = client.post(route, json={**infer, "parameters": {"cache": False}})
     assert skipped.headers["x-qiao-cache"] == "skip"
+
+
+def test_kserve_grpc_infers_are_hits_per_key(server: SubprocessServer) -> None:
+    from qiao.api.proto import inference_pb2 as pb
+    from qiao.api.proto import inference_pb2_grpc as pb_grpc
+
+    request = pb.ModelInferRequest(model_name=EMBEDDER)
+    request.inputs.add(
+        name="text",
+        datatype="BYTES",
+        shape=[1, 1],
+        contents=pb.InferTensorContents(bytes_contents=[b"over gRPC"]),
+    )
+    scheduled = pb.ModelInferRequest()
+    scheduled.CopyFrom(request)
+    scheduled.parameters["priority"].int64_param = 1  # scheduling only: the same entry
+    skipped = pb.ModelInferRequest()
+    skipped.CopyFrom(request)
+    skipped.parameters["cache"].bool_param = False
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        def infer(message: Any, key: str = KEY_A) -> tuple[Any, str]:
+            reply, call = stub.ModelInfer.with_call(
+                message, metadata=[("authorization", f"Bearer {key}")], timeout=60
+            )
+            return reply, dict(call.initial_metadata())["x-qiao-cache"]
+
+        first, status = infer(request)
+        assert status == "miss"
+        again, status = infer(scheduled)
+        assert status == "hit" and again == first
+        assert infer(request, KEY_B)[1] == "miss"
+        assert infer(skipped)[1] == "skip"
 
 
 def test_hits_and_misses_are_counted(client: httpx.Client) -> None:
