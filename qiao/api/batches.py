@@ -44,6 +44,7 @@ from qiao.api.batch_requests import (
 from qiao.api.errors import APIError, as_api_error
 from qiao.api.files import list_page, owner_of, store_for, store_of
 from qiao.api.keys import key_of
+from qiao.api.lora_adapters import split_adapter
 from qiao.api.openai_routes import split_model_id
 from qiao.api.serving import Sample, close_all, fold, merged
 from qiao.api.webhooks import Notifier, check_target, new_event
@@ -441,7 +442,8 @@ class BatchWorker:
         model = line.body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "model: required (a served model's name)", param="model")
-        name, version = split_model_id(model)
+        base, lora_name = split_adapter(self.state.router, model)
+        name, version = split_model_id(base)
         allowed = doc.get("_models")
         if allowed is not None and name not in allowed:
             raise APIError(
@@ -468,7 +470,13 @@ class BatchWorker:
         engine = served.engine
         prepared = prepare_llm(line, self.settings, engine, engine.vocab_size)
         requests = [
-            GenerateRequest(f"{doc['id']}-{line.number}-{i}", prompt, params, priority=priority)
+            GenerateRequest(
+                f"{doc['id']}-{line.number}-{i}",
+                prompt,
+                params,
+                priority=priority,
+                lora_name=lora_name,
+            )
             for i, (prompt, params) in enumerate(
                 zip(prepared.prompts, prepared.params, strict=True)
             )

@@ -170,3 +170,38 @@ def test_management_load_and_unload(server, adapters):
     with pytest.raises(openai.NotFoundError):
         _complete(client, f"{BASE}:chat")
     assert httpx.get(f"{base_url}/v1/models").json()["data"][-1]["id"] == "sql"
+
+
+def test_batch_lines_name_adapters(server, adapters):
+    """The Batch API takes the same model names: each line under its adapter."""
+    import json
+
+    from .conftest import wait_until
+
+    client = openai_client(server[0].base_url)
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    lines = [
+        {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {**body, "model": m}}
+        for cid, m in (("a", f"{BASE}:sql"), ("b", BASE), ("c", f"{BASE}:nope"))
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = client.files.create(file=("lora.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done: list = []
+
+    def finished() -> bool:
+        done[:] = [client.batches.retrieve(batch.id)]
+        return done[0].status in ("completed", "failed", "expired", "cancelled")
+
+    wait_until(finished, 120.0, "the batch to finish", interval=0.1)
+    assert done[0].status == "completed", done[0]
+    answered = {
+        r["custom_id"]: r
+        for r in map(json.loads, client.files.content(done[0].output_file_id).text.splitlines())
+    }
+    assert answered["a"]["response"]["body"]["choices"][0]["text"] == adapters["sql"][1]
+    assert answered["b"]["response"]["body"]["choices"][0]["text"] == adapters[None][1]
+    errors = client.files.content(done[0].error_file_id).text
+    assert "nope" in errors and "sql" in errors
