@@ -138,12 +138,13 @@ class LoRAManager:
             if lora in self.slots:
                 self.slots.move_to_end(lora)
                 continue
+            adapter = self._adapter(lora)  # first: a folder gone since costs no slot
             if not self.free_slots:
                 victim = next(n for n in self.slots if n not in needed)
                 self.free_slots.append(self.slots.pop(victim))
                 self.num_slot_evictions += 1
             slot = self.free_slots.pop()
-            self._write_slot(slot, self._adapter(lora))
+            self._write_slot(slot, adapter)
             self.slots[lora] = slot
             self.num_slot_loads += 1
         return np.fromiter((0 if n is None else self.slots[n] for n in loras), np.int64, len(loras))
