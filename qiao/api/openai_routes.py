@@ -175,12 +175,14 @@ async def _cache_lookup(
     body: CompletionRequest | ChatCompletionRequest,
 ) -> response_cache.Lookup:
     """The response cache's answer for a greedy or seeded request (qiao/api/response_cache.py)."""
+    adapter = split_adapter(request.app.state.router, body.model)[1]
+
+    def fields() -> dict[str, Any]:
+        lora = response_cache.adapter_identity(served.engine, adapter)
+        return {**response_cache.body_fields(body), "lora": lora}
+
     return await response_cache.lookup(
-        request,
-        served,
-        route,
-        lambda: response_cache.body_fields(body),
-        cacheable=response_cache.is_deterministic(body),
+        request, served, route, fields, cacheable=response_cache.is_deterministic(body)
     )
 
 

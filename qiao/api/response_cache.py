@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -119,6 +120,26 @@ def body_fields(body: Any) -> dict[str, Any]:
     """A request model's fields as they determine the answer: defaults filled, delivery-only
     fields left out."""
     return body.model_dump(mode="json", exclude=set(NOT_IN_KEY))
+
+
+def adapter_identity(engine: Any, adapter: str | None) -> list[Any] | None:
+    """What identifies the LoRA adapter a request names, for its key: its folder and each of
+    its files' name, size and modification time (so an adapter loaded again under the same
+    name, from another folder or with new files, never matches); None without an adapter."""
+    if adapter is None:
+        return None
+    path = engine.lora_adapters().get(adapter)
+    if path is None:
+        return [adapter]
+    try:
+        files = sorted(
+            (entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+            for entry in os.scandir(path)
+            if entry.is_file()
+        )
+    except OSError:
+        files = []
+    return [adapter, str(path), files]
 
 
 def kserve_fields(payload: dict[str, Any], binary: bytes) -> dict[str, Any]:

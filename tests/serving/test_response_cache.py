@@ -17,6 +17,10 @@ import httpx
 import pytest
 
 from .conftest import SubprocessServer, openai_client, wait_until
+from .test_lora_serving import MAX_TOKENS as LORA_MAX_TOKENS
+from .test_lora_serving import PROMPT as LORA_PROMPT
+from .test_lora_serving import TOKEN as LORA_TOKEN
+from .test_lora_serving import adapters  # noqa: F401  (the fixture: PEFT adapters and texts)
 from .test_repository_serving import TOKEN, free_port
 
 KEY_A = "response-cache-key-a-0123456789"
@@ -416,5 +420,47 @@ def test_a_canary_split_never_answers_from_the_other_versions_entry(
             timeout=60.0,
         )
         assert pinned.headers["x-qiao-cache"] == "miss"  # the body names embed@1: its own key
+    finally:
+        server.stop()
+
+
+# --- LoRA adapters ------------------------------------------------------------------------------
+
+
+def test_an_adapter_loaded_again_under_its_name_is_a_miss(
+    tiny_checkpoint: Callable[[str], Path],
+    adapters: dict,  # noqa: F811  (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    mgmt_port = free_port()
+    args = ["--model", str(tiny_checkpoint("llama")), "--served-model-name", "tiny"]
+    args += ["--device", "cpu", "--num-kv-blocks", "64", "--log-interval", "0"]
+    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    args += ["--lora-modules", f"x={adapters['sql'][0]}", "--response-cache"]
+    args += ["--management-port", str(mgmt_port), "--management-token", LORA_TOKEN]
+    server = SubprocessServer(args, tmp_path / "server.log").wait_ready()
+    body = {"model": "tiny:x", "prompt": LORA_PROMPT, "max_tokens": LORA_MAX_TOKENS}
+    body |= {"temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {LORA_TOKEN}"}
+    management = f"http://127.0.0.1:{mgmt_port}"
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as c:
+            first, again = (c.post("/v1/completions", json=body) for _ in range(2))
+            assert first.headers["x-qiao-cache"] == "miss", first.text
+            assert again.headers["x-qiao-cache"] == "hit"
+            assert first.json()["choices"][0]["text"] == adapters["sql"][1]
+            gone = httpx.post(
+                management + "/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=headers
+            )
+            assert gone.status_code == 200, gone.text
+            loaded = httpx.post(
+                management + "/v1/load_lora_adapter",
+                json={"lora_name": "x", "lora_path": str(adapters["chat"][0])},
+                headers=headers,
+            )
+            assert loaded.status_code == 200, loaded.text
+            after = c.post("/v1/completions", json=body)
+            assert after.headers["x-qiao-cache"] == "miss"
+            assert after.json()["choices"][0]["text"] == adapters["chat"][1]
     finally:
         server.stop()
