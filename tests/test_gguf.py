@@ -431,3 +431,27 @@ def _bench_prompt(report: dict) -> list[int]:
     """The benchmark's first prompt (its seeded generator, as it draws them)."""
     rng = np.random.default_rng(0)
     return rng.integers(16, 320, report["config"]["prompt_len"]).tolist()
+
+
+@pytest.mark.skipif(not STORIES_DIR.is_dir(), reason=f"{STORIES_DIR} not present")
+def test_write_gguf_is_what_llama_cpp_reads(tmp_path):
+    """stories260K's Hugging Face copy through write_gguf: llama.cpp itself (when installed)
+    and qiao both continue the prompt as the reference does (REFERENCE.md)."""
+    # (Its SentencePiece vocabulary goes in as byte-level BPE, which only llama.cpp's token
+    # ids survive: qiao runs on ids here.)
+    path = write_gguf(STORIES_DIR, tmp_path / "stories.gguf", "F32")
+    prompt = [1, 403, 407, 261, 378]
+    qiao = LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=16, max_num_seqs=4)
+    params = SamplingParams(max_tokens=15, temperature=0.0)
+    out = qiao.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == STORIES_CONTINUATION
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python: pip install qiao[llamacpp]"
+    )
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False)
+    out = []
+    for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0):
+        out.append(token)
+        if len(out) == len(STORIES_CONTINUATION):
+            break
+    assert out == STORIES_CONTINUATION
