@@ -127,9 +127,24 @@ class SchedulerConfig:
     # Seconds after the last step with another request during which background work stays held
     # to the share of that step (a client sending requests back to back meets short steps).
     background_hold_s: float = 0.0
+    # Adaptive batching (qiao/engine/adaptive.py): the step token budget moves within
+    # [adaptive_min_batched_tokens, max_num_batched_tokens] to hold the time of decode steps
+    # (the inter-token latency) at target_itl_ms * (1 ± target_itl_tolerance). None: off.
+    target_itl_ms: float | None = None
+    target_itl_tolerance: float = 0.2
+    adaptive_min_batched_tokens: int = 32
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(
+            self.target_itl_ms is None or self.target_itl_ms > 0, "target_itl_ms", "must be > 0"
+        )
+        _require(
+            0.0 <= self.target_itl_tolerance < 1.0, "target_itl_tolerance", "must be in [0, 1)"
+        )
+        _require(
+            self.adaptive_min_batched_tokens >= 1, "adaptive_min_batched_tokens", "must be >= 1"
+        )
         _require(0.0 < self.background_share <= 1.0, "background_share", "must be in (0, 1]")
         _require(self.background_hold_s >= 0.0, "background_hold_s", "must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
@@ -236,6 +251,9 @@ class EngineConfig:
         background_priority: int | None = None,
         background_share: float = 1.0,
         background_hold_s: float = 0.0,
+        target_itl_ms: float | None = None,
+        target_itl_tolerance: float = 0.2,
+        adaptive_min_batched_tokens: int = 32,
         seed: int = 0,
         device: str = "auto",
         skip_tokenizer_init: bool = False,
@@ -283,6 +301,9 @@ class EngineConfig:
                 background_priority=background_priority,
                 background_share=background_share,
                 background_hold_s=background_hold_s,
+                target_itl_ms=target_itl_ms,
+                target_itl_tolerance=target_itl_tolerance,
+                adaptive_min_batched_tokens=adaptive_min_batched_tokens,
             ),
             device=device,
             cuda_graphs=cuda_graphs,

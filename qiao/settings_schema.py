@@ -188,6 +188,29 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "scheduling_policy", "waiting-queue order", default="fcfs", choices=("fcfs", "priority")
     ),
     Setting(
+        "target_itl_ms",
+        "adaptive batching: move the step token budget (within --adaptive-min-batched-tokens "
+        "and --max-num-batched-tokens, starting from the tuning profile's) to hold the time of "
+        "decode steps, the inter-token latency, at this many milliseconds (default: off)",
+        type=float,
+        above=0,
+    ),
+    Setting(
+        "target_itl_tolerance",
+        "adaptive batching: the dead band around --target-itl-ms, a share of it",
+        type=float,
+        default=0.2,
+        minimum=0.0,
+        maximum=0.95,
+    ),
+    Setting(
+        "adaptive_min_batched_tokens",
+        "adaptive batching: the smallest step token budget it may choose",
+        type=int,
+        default=32,
+        minimum=1,
+    ),
+    Setting(
         "seed",
         "engine seed for requests without their own (benchmarks: also of their prompts and "
         "arrivals)",

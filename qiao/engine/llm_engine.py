@@ -11,13 +11,15 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from qiao import envs
-from qiao.config import EngineConfig
+from qiao.config import EngineConfig, SchedulerConfig
+from qiao.engine.adaptive import BudgetController
 from qiao.engine.block_manager import BlockManager
 from qiao.engine.output_processor import OutputProcessor
 from qiao.engine.request import Request, RequestStatus
@@ -103,6 +105,10 @@ class LLMEngine:
             sliding_window=self.arch.uniform_sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # Adaptive batching: moves the scheduler's token budget to hold the decode step time
+        # at the target (None: off). `step_clock` times the steps (a test injects a fake one).
+        self.budget_controller = _budget_controller(config.scheduler)
+        self.step_clock: Callable[[], float] = time.perf_counter
         self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
         self._rng = random.Random(mc.seed)
         self.num_steps = 0
@@ -205,6 +211,7 @@ class LLMEngine:
         A forward that raises is retried in halves (`_isolate`) until the requests that make it
         fail are found: they end alone (`failed_requests`), the rest of the step goes on. After
         an out-of-memory error, later steps are capped to the largest part that ran."""
+        started = self.step_clock()
         scheduler_output = self.scheduler.schedule()
         failed: list[RequestOutput] = []
         try:
@@ -232,7 +239,27 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.speculator is not None:
             self.speculator.after_step(scheduler_output, runner_output, self.scheduler.running)
-        return failed + self._collect(touched)
+        outputs = failed + self._collect(touched)
+        if self.budget_controller is not None:
+            self._adapt_budget(scheduler_output, self.step_clock() - started)
+        return outputs
+
+    def _adapt_budget(self, scheduler_output: SchedulerOutput, step_time_s: float) -> None:
+        """Feed the time of a step that held a decode (what running requests wait per token)
+        to the controller and hand its choice to the scheduler. It may grow the budget when the
+        step used it up or nothing waits (a light load gets the configured budget back)."""
+        controller = self.budget_controller
+        assert controller is not None
+        if not any(
+            s.num_computed_tokens >= s.request.num_prompt_tokens for s in scheduler_output.scheduled
+        ):
+            return  # prefill only: no request is waiting for its next token
+        used_up = scheduler_output.num_scheduled_tokens >= controller.value
+        new = controller.observe(
+            step_time_s * 1000.0, can_grow=used_up or not self.scheduler.num_waiting
+        )
+        if new is not None:
+            self.scheduler.set_token_budget(int(new))
 
     def take_failed_requests(self) -> list[tuple[str, QiaoError]]:
         """(request id, error) of the requests ended alone since the last call."""
@@ -500,6 +527,18 @@ class LLMEngine:
             "prefix_cache_queried_tokens": bm.num_queried_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
+            **self._adaptive_stats(),
+        }
+
+    def _adaptive_stats(self) -> dict[str, Any]:
+        controller = self.budget_controller
+        if controller is None:
+            return {}
+        smoothed = controller.smoothed
+        return {
+            "adaptive_token_budget": int(controller.value),
+            "adaptive_step_time_seconds": 0.0 if smoothed is None else smoothed / 1000.0,
+            "adaptive_budget_changes": controller.num_changes,
         }
 
     def _collect(self, parent_ids: list[str]) -> list[RequestOutput]:
@@ -561,6 +600,22 @@ class LLMEngine:
             return seed
         digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _budget_controller(config: SchedulerConfig) -> BudgetController | None:
+    """The step-budget controller of `config.target_itl_ms` (milliseconds), None when unset:
+    from the configured budget (the tuning profile's when it set it) down to the minimum."""
+    if config.target_itl_ms is None:
+        return None
+    hi = config.max_num_batched_tokens
+    return BudgetController(
+        config.target_itl_ms,
+        config.target_itl_tolerance,
+        lo=min(config.adaptive_min_batched_tokens, hi),
+        hi=hi,
+        start=hi,
+        name="token budget",
+    )
 
 
 def _advance_grammar(request: Request) -> None:

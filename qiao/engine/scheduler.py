@@ -51,6 +51,8 @@ class Scheduler:
         self._steps_under_cap = 0
         self._cap_growth_steps = CAP_GROWTH_STEPS
         self._background_tokens = 0  # background tokens scheduled in the step being built
+        # Tokens per step that adaptive batching chose (`set_token_budget`; None: as configured).
+        self.adaptive_token_budget: int | None = None
         # (time, tokens, sequences) of the last step with online work (`background_hold_s`).
         self._last_foreground: tuple[float, int, int] | None = None
 
@@ -86,6 +88,12 @@ class Scheduler:
             self._cap_growth_steps = min(2 * self._cap_growth_steps, MAX_CAP_GROWTH_STEPS)
         self.step_token_cap, self.step_seq_cap = tokens, seqs
         self._steps_under_cap = 0
+
+    def set_token_budget(self, max_tokens: int | None) -> None:
+        """Steps take at most `max_tokens` tokens (adaptive batching's choice, below the
+        configured budget; None: the configured one), but never fewer than the running
+        sequences, so a smaller budget holds prefill chunks back, not decodes."""
+        self.adaptive_token_budget = max_tokens
 
     def is_background(self, request: Request) -> bool:
         threshold = self.config.background_priority
@@ -213,6 +221,8 @@ class Scheduler:
         """(tokens, sequences) this step may take: the configured ones, or an out-of-memory cap
         (which doubles back after the growth wait)."""
         budget, max_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self.adaptive_token_budget is not None:
+            budget = min(budget, max(self.adaptive_token_budget, len(self.running)))
         if self.step_token_cap is None and self.step_seq_cap is None:
             return budget, max_seqs
         self._steps_under_cap += 1
@@ -229,7 +239,7 @@ class Scheduler:
             if self.step_token_cap is None and self.step_seq_cap is None:
                 self._cap_growth_steps = CAP_GROWTH_STEPS
                 return budget, max_seqs
-        return self.step_token_cap or budget, self.step_seq_cap or max_seqs
+        return min(self.step_token_cap or budget, budget), self.step_seq_cap or max_seqs
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
