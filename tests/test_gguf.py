@@ -285,6 +285,22 @@ def test_q4_logits_equal_the_dequantized_model(file_type, gguf_of, q4k_checkpoin
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+def test_q4_0_tied_head_reads_the_embedding_codes(gguf_of):
+    """Qwen3 ties its head to token_embd: on the int4 path the head takes the embedding's
+    Q4_0 codes (the embedding itself stays float)."""
+    path = gguf_of("qwen3", "Q4_0")
+    expected = _dequantized_float_logits(path)
+    model = load_model(
+        path, load_arch_config(path), dtype=torch.float32, device=torch.device("cpu")
+    )
+    got = qiao_logits(path, PROMPT)
+    if hasattr(quant_int4, "Int4Method"):
+        assert model.lm_head.method.name == "int4"
+        assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
 # --- tokenizer and chat -----------------------------------------------------------------------
 
 

@@ -273,12 +273,16 @@ def load_gguf_checkpoint(
 
 
 def _attach_int4(model: nn.Module, path: Path) -> None:
-    """Hand each Q4 matrix's codes and scales to its layer; layers without one stay float."""
+    """Hand each Q4 matrix's codes and scales to its layer (a tied head: the embedding's);
+    layers without one stay float."""
     from qiao.layers.linear import LinearBase
     from qiao.models.llama import _param_name
 
     attached = set()
+    tied = model.arch.tie_word_embeddings
     for name, weights in gguf_int4_weights(path):
+        if tied and name == "model.embed_tokens.weight":
+            name = "lm_head.weight"  # the tied head reads the embedding's codes
         param_name, shard_id = _param_name(name)
         module = model.get_submodule(param_name.rpartition(".")[0])
         if isinstance(module, LinearBase):
