@@ -146,6 +146,7 @@ def test_help_documents_every_flag() -> None:
         "quality",
         "embeddings",
         "soak",
+        "gguf",
     }
     for name, parser in subparsers.choices.items():
         for action in parser._actions:
