@@ -10,6 +10,7 @@ import pytest
 
 from qiao.config import EngineConfig
 from qiao.engine.adaptive import BudgetController, LatencyWindow
+from qiao.engine.batcher import BatcherConfig, BatchStats, DynamicBatcher
 from qiao.engine.llm_engine import LLMEngine
 from qiao.errors import ConfigError
 from qiao.sampling_params import SamplingParams
@@ -189,3 +190,74 @@ def test_engine_without_a_target_exports_no_budget(tiny_checkpoint) -> None:
     )
     assert engine.budget_controller is None
     assert "adaptive_token_budget" not in engine.stats()
+
+
+# --- the encoder batcher under a fake compute time ---------------------------------------
+
+P99_TARGET_MS = 10.0
+
+
+def _batches(batcher, compute_ms: float, count: int, rows: int = 4) -> list[float]:
+    """`count` batches whose requests each waited the batcher's queue delay and computed for
+    `compute_ms` (the fake clock): each request's latency; the delay after each batch."""
+    delays = []
+    for _ in range(count):
+        waited = batcher.queue_delay_us / 1e6
+        stats = BatchStats(
+            rows=rows, requests=rows, queue_times_s=(waited,) * rows, exec_time_s=compute_ms / 1e3
+        )
+        out = batcher.adapt(stats)
+        if batcher.delay_controller is not None:
+            assert out.queue_delay_s == batcher.queue_delay_us / 1e6
+        delays.append(batcher.queue_delay_us)
+    return delays
+
+
+def test_batcher_queue_delay_holds_the_p99_target() -> None:
+    config = BatcherConfig(
+        max_batch_size=8,
+        max_queue_delay_us=20_000,
+        target_p99_ms=P99_TARGET_MS,
+        target_p99_tolerance=TOLERANCE,
+        min_queue_delay_us=100,
+    )
+    batcher = DynamicBatcher(lambda items: items, config, name="embed")
+    assert batcher.queue_delay_us == 20_000
+    low, high = P99_TARGET_MS * (1 - TOLERANCE), P99_TARGET_MS * (1 + TOLERANCE)
+    # Light: 2 ms compute, a 20 ms delay overshoots; it settles near 8 ms.
+    light = _batches(batcher, 2.0, 300)
+    assert low <= light[-1] / 1e3 + 2.0 <= high
+    # Heavy: 7 ms compute; the delay shrinks (both latencies in the band after settling).
+    heavy = _batches(batcher, 7.0, 300)
+    assert heavy[-1] < light[-1]
+    assert all(low <= d / 1e3 + 7.0 <= high for d in heavy[-100:])
+    # Light again: it grows back.
+    again = _batches(batcher, 2.0, 300)
+    assert again[-1] > heavy[-1]
+    assert all(low <= d / 1e3 + 2.0 <= high for d in again[-100:])
+    # Compute alone over the target: the delay goes to its floor and stays within bounds.
+    floor = _batches(batcher, 30.0, 300)
+    assert floor[-1] == 100 and min(floor) >= 100
+
+
+def test_batcher_without_a_target_keeps_its_delay() -> None:
+    batcher = DynamicBatcher(lambda items: items, BatcherConfig(max_queue_delay_us=500))
+    assert batcher.delay_controller is None
+    assert _batches(batcher, 50.0, 30) == [500.0] * 30
+
+
+def test_batcher_target_needs_a_maximum_delay() -> None:
+    with pytest.raises(ConfigError, match="max_queue_delay_us"):
+        BatcherConfig(target_p99_ms=10.0)
+
+
+def test_repository_config_key_reaches_the_batcher(tmp_path) -> None:
+    from qiao.repository.config import read_model_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "backend: embedding\nmax_batch_size: 8\ndynamic_batching:\n"
+        "  max_queue_delay_microseconds: 5000\n  target_p99_ms: 20\n"
+    )
+    config = BatcherConfig(**read_model_config(path).batcher_values())
+    assert config.target_p99_ms == 20 and config.min_queue_delay_us == 100

@@ -246,7 +246,7 @@ class ServerMetrics:
 
     def _encoder_stats(self) -> list[tuple[str, str, dict[str, Any]]]:
         return [
-            (model, version, observer.engine())
+            (model, version, {**observer.engine(), **observer.adaptive})
             for (model, version), observer in list(self._batch_observers.items())
             if observer.engine is not None
         ]
@@ -318,8 +318,14 @@ class BatchObserver:
         self._queue = metrics.batch_queue_time.labels(model, version)
         self._exec_time = metrics.batch_exec_time.labels(model, version)
         self.engine: Callable[[], dict[str, Any]] | None = None
+        self.adaptive: dict[str, float] = {}  # adaptive batching's latest choice (if on)
 
     def __call__(self, stats: BatchStats) -> None:
+        if stats.queue_delay_s is not None and stats.p99_latency_s is not None:
+            self.adaptive = {
+                "adaptive_queue_delay_seconds": stats.queue_delay_s,
+                "adaptive_p99_latency_seconds": stats.p99_latency_s,
+            }
         self._size.observe(stats.rows)
         self._requests.inc(stats.requests)
         for waited in stats.queue_times_s:
@@ -438,9 +444,11 @@ class _EngineCollector(Collector):
                 )
             _add_supervision(add, label, s)
             _add_spec_decode(add, label, s)
+            _add_adaptive(add, label, s)
             _add_replicas(families, names, label, s.get("replicas", []))
         for model, version, s in self.encoder_stats():
             _add_supervision(add, [model, version], s)
+            _add_adaptive(add, [model, version], s)
         yield from families.values()
 
 
@@ -489,6 +497,20 @@ def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
     E.g. [2, 0, 1, ...] -> [("1", 2), ("8", 2), ("16", 3), ...]."""
     bounds = [*(floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
     return list(zip(bounds, itertools.accumulate(counts), strict=True))
+
+
+def _add_adaptive(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:
+    """Adaptive batching's current choice and the smoothed measurement it holds at target
+    (qiao/engine/adaptive.py), when a target is set."""
+    G = GaugeMetricFamily
+    for key, doc in (
+        ("adaptive_token_budget", "Step token budget adaptive batching chose."),
+        ("adaptive_step_time_seconds", "Smoothed decode step time adaptive batching holds."),
+        ("adaptive_queue_delay_seconds", "Encoder batch queue delay adaptive batching chose."),
+        ("adaptive_p99_latency_seconds", "Encoder request p99 latency adaptive batching holds."),
+    ):
+        if key in s:
+            add(G, f"qiao:{key}", doc, label, s[key])
 
 
 def _add_spec_decode(add: Callable[..., None], label: list[str], s: dict[str, Any]) -> None:

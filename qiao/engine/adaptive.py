@@ -149,6 +149,9 @@ class LatencyWindow:
     def __len__(self) -> int:
         return len(self._samples)
 
+    def clear(self) -> None:
+        self._samples.clear()
+
     def add(self, latency_s: float) -> None:
         self._samples.append((self.clock(), latency_s))
 

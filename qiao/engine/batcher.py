@@ -22,15 +22,20 @@ polling; the delay and the queue timeouts are `loop.call_at` timers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from qiao.engine.adaptive import BudgetController, LatencyWindow
 from qiao.errors import ConfigError, EngineUnavailableError, QueueFullError, QueueTimeoutError
 
 logger = logging.getLogger(__name__)
+
+# Latencies the p99 window holds before adaptive batching acts on it (and after each move).
+MIN_P99_SAMPLES = 20
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -52,9 +57,30 @@ class BatcherConfig:
     # Whether a request's own `timeout_us` replaces `default_timeout_us`. When not allowed, a
     # request's timeout is ignored (as Triton does), so clients may always send one.
     allow_timeout_override: bool = False
+    # Adaptive batching (qiao/engine/adaptive.py): the queue delay moves within
+    # [min_queue_delay_us, max_queue_delay_us] to hold the p99 of request latency (queue wait
+    # + compute, over the last requests) at target_p99_ms * (1 ± target_p99_tolerance).
+    # None: off (the delay is max_queue_delay_us).
+    target_p99_ms: float | None = None
+    target_p99_tolerance: float = 0.2
+    min_queue_delay_us: int = 100
 
     def __post_init__(self) -> None:
         _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        _check_int("min_queue_delay_us", self.min_queue_delay_us, minimum=1)
+        if self.target_p99_ms is not None:
+            if self.target_p99_ms <= 0:
+                raise ConfigError(f"target_p99_ms must be > 0, got {self.target_p99_ms!r}")
+            if not 0 <= self.target_p99_tolerance < 1:
+                raise ConfigError(
+                    f"target_p99_tolerance must be in [0, 1), got {self.target_p99_tolerance!r}"
+                )
+            if self.max_queue_delay_us < self.min_queue_delay_us:
+                raise ConfigError(
+                    f"target_p99_ms needs max_queue_delay_us >= min_queue_delay_us "
+                    f"({self.min_queue_delay_us}): the most the queue delay may grow to, got "
+                    f"{self.max_queue_delay_us}"
+                )
         _check_int("max_queue_delay_us", self.max_queue_delay_us, minimum=0)
         _check_int("priority_levels", self.priority_levels, minimum=1)
         _check_int("default_priority_level", self.default_priority_level, minimum=0)
@@ -94,6 +120,9 @@ class BatchStats:
     requests: int
     queue_times_s: tuple[float, ...]  # per request, from submit to the start of the batch
     exec_time_s: float  # wall time of run_batch, seen from the event loop
+    # Adaptive batching's queue delay after this batch and the p99 latency it holds (None: off).
+    queue_delay_s: float | None = None
+    p99_latency_s: float | None = None
 
 
 @dataclass(eq=False)  # identity hash: requests are keys of the level dicts
@@ -168,6 +197,21 @@ class DynamicBatcher(Generic[T, R]):
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # The longest wait for a fuller batch: adaptive batching's choice when a target is set.
+        self.queue_delay_us = float(config.max_queue_delay_us)
+        self.delay_controller: BudgetController | None = None
+        self.latencies = LatencyWindow(size=100, horizon_s=5.0)
+        if config.target_p99_ms is not None:
+            self.delay_controller = BudgetController(
+                config.target_p99_ms,
+                config.target_p99_tolerance,
+                lo=config.min_queue_delay_us,
+                hi=config.max_queue_delay_us,
+                start=config.max_queue_delay_us,
+                integer=False,
+                interval=1,  # the window's MIN_P99_SAMPLES spaces the moves
+                name=f"queue delay (us) of {name!r}",
+            )
 
     @property
     def queue_size(self) -> int:
@@ -351,7 +395,7 @@ class DynamicBatcher(Generic[T, R]):
                 return batch, None
         if not batch:
             return [], None
-        wake_at = self._queue.oldest_enqueue_time() + config.max_queue_delay_us / 1e6
+        wake_at = self._queue.oldest_enqueue_time() + self.queue_delay_us / 1e6
         if is_full or rows == config.max_batch_size or self._is_closed or now >= wake_at:
             # Cannot grow, or waited long enough: the largest preferred size there is, else all.
             return batch[: preferred_cut or len(batch)], None
@@ -385,7 +429,29 @@ class DynamicBatcher(Generic[T, R]):
             queue_times_s=tuple(start - request.enqueue_time for request in batch),
             exec_time_s=self._loop.time() - start,
         )
-        self._report(stats)
+        self._report(self.adapt(stats))
+
+    def adapt(self, stats: BatchStats) -> BatchStats:
+        """Feed a batch's request latencies (queue wait + compute) to the delay controller:
+        the p99 over the recent requests moves the queue delay (a p99 above target shortens it,
+        one below lets batches fill longer). Returns `stats` with the choice (unchanged when
+        no target is set)."""
+        controller = self.delay_controller
+        if controller is None:
+            return stats
+        for waited in stats.queue_times_s:
+            self.latencies.add(waited + stats.exec_time_s)
+        p99 = self.latencies.quantile(0.99)
+        assert p99 is not None
+        if len(self.latencies) >= MIN_P99_SAMPLES:
+            new = controller.observe(p99 * 1000.0)
+            if new is not None:
+                # The window restarts: its latencies were of the old delay.
+                self.queue_delay_us = new
+                self.latencies.clear()
+        return dataclasses.replace(
+            stats, queue_delay_s=self.queue_delay_us / 1e6, p99_latency_s=p99
+        )
 
     def _call(self, items: list[T]) -> list[R]:
         """In the worker thread: run the batch and check it answered every item."""

@@ -12,6 +12,11 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
     dynamic_batching:                                    (encoders; absent = no delay, no
       preferred_batch_size: [4, 8]                        preferred sizes: run what is queued)
       max_queue_delay_microseconds: 10000                (>= 0, default 0)
+      target_p99_ms: 50                                  (adaptive batching: the queue delay
+                                                          moves to hold the p99 request latency
+                                                          here; default off)
+      target_p99_tolerance: 0.2                          (its dead band, a share; default 0.2)
+      min_queue_delay_microseconds: 100                  (the shortest delay it picks, >= 1)
       priority_levels: 2                                 (>= 1, default 1)
       default_priority_level: 0                          (0..priority_levels, default 0)
       default_queue_policy:                              (its three keys may also be given
@@ -109,6 +114,11 @@ class QueuePolicy(_Section):
 class DynamicBatching(_Section):
     preferred_batch_size: list[int] = Field(default_factory=list)
     max_queue_delay_microseconds: int = Field(0, ge=0)
+    # Adaptive batching: the queue delay moves within [min_queue_delay_microseconds,
+    # max_queue_delay_microseconds] to hold the p99 request latency at target_p99_ms.
+    target_p99_ms: float | None = Field(None, gt=0)
+    target_p99_tolerance: float = Field(0.2, ge=0, lt=1)
+    min_queue_delay_microseconds: int = Field(100, ge=1)
     priority_levels: int = Field(1, ge=1)
     default_priority_level: int = Field(0, ge=0)
     default_queue_policy: QueuePolicy = Field(default_factory=QueuePolicy)
@@ -414,6 +424,9 @@ class ModelConfigFile(_Section):
             "max_batch_size": self.max_batch_size,
             "preferred_batch_sizes": tuple(batching.preferred_batch_size),
             "max_queue_delay_us": batching.max_queue_delay_microseconds,
+            "target_p99_ms": batching.target_p99_ms,
+            "target_p99_tolerance": batching.target_p99_tolerance,
+            "min_queue_delay_us": batching.min_queue_delay_microseconds,
             "priority_levels": batching.priority_levels,
             "default_priority_level": batching.default_priority_level,
             "max_queue_size": policy.max_queue_size,
