@@ -424,14 +424,21 @@ class ModelConfigFile(_Section):
             "max_batch_size": self.max_batch_size,
             "preferred_batch_sizes": tuple(batching.preferred_batch_size),
             "max_queue_delay_us": batching.max_queue_delay_microseconds,
-            "target_p99_ms": batching.target_p99_ms,
-            "target_p99_tolerance": batching.target_p99_tolerance,
-            "min_queue_delay_us": batching.min_queue_delay_microseconds,
             "priority_levels": batching.priority_levels,
             "default_priority_level": batching.default_priority_level,
             "max_queue_size": policy.max_queue_size,
             "default_timeout_us": policy.default_timeout_microseconds,
             "allow_timeout_override": policy.allow_timeout_override,
+            # Adaptive batching, only when a target is set.
+            **(
+                {
+                    "target_p99_ms": batching.target_p99_ms,
+                    "target_p99_tolerance": batching.target_p99_tolerance,
+                    "min_queue_delay_us": batching.min_queue_delay_microseconds,
+                }
+                if batching.target_p99_ms is not None
+                else {}
+            ),
         }
 
     def engine_kwargs(self) -> dict[str, Any]:
