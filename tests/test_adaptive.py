@@ -3,6 +3,7 @@ take time in proportion to their tokens, and the encoder batcher under a fake co
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 
@@ -261,3 +262,15 @@ def test_repository_config_key_reaches_the_batcher(tmp_path) -> None:
     )
     config = BatcherConfig(**read_model_config(path).batcher_values())
     assert config.target_p99_ms == 20 and config.min_queue_delay_us == 100
+
+
+def test_bench_serve_bursty_arrivals_keep_the_rate() -> None:
+    from qiao.bench.serve import ServeConfig, make_jobs
+
+    cfg = ServeConfig(base_url="http://unused", num_prompts=4000, burstiness=0.25)
+    arrivals = [job.arrival for job in make_jobs(cfg, 10.0, seed=1)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    mean = statistics.fmean(gaps)
+    assert 0.09 <= mean <= 0.11
+    # Gamma of shape 0.25: coefficient of variation 2 (a Poisson process's is 1).
+    assert statistics.pstdev(gaps) / mean > 1.6

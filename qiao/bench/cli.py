@@ -505,6 +505,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s")
     p.add_argument("--slo-itl", type=float, default=0.25, help="goodput SLO on mean ITL, s")
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="arrival shape: gamma gaps of this shape (1: Poisson; below 1: bursty)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument(
         "--repeat",
@@ -554,7 +560,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         show_progress=not args.no_progress,
         with_batch=args.with_batch,
+        burstiness=args.burstiness,
     )
+    if cfg.burstiness <= 0:
+        from qiao.errors import ConfigError
+
+        raise ConfigError(f"--burstiness must be > 0, got {cfg.burstiness}")
     report = run_serve(cfg)
     print(format_serve(report))
     write_json(args.json, report)

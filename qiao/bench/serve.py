@@ -52,6 +52,9 @@ class ServeConfig:
     show_progress: bool = True
     # Lines of a /v1/batches job to run the ladder beside, after running it alone (None: no).
     with_batch: int | None = None
+    # Arrival shape (vLLM's --burstiness): gamma-distributed gaps of mean 1/rate and shape
+    # `burstiness`; 1.0 is a Poisson process, below 1 requests come in bursts and lulls.
+    burstiness: float = 1.0
 
 
 @dataclass
@@ -85,7 +88,8 @@ def make_jobs(cfg: ServeConfig, rate: float, seed: int) -> list[Job]:
 
 
 def _arrivals(cfg: ServeConfig, rate: float, rng: random.Random) -> list[float]:
-    """A Poisson process: exponential gaps of mean 1/rate, the first request at 0."""
+    """Gaps of mean 1/rate, the first request at 0: exponential (a Poisson process), or gamma
+    of shape `burstiness` (the same mean; below 1: bursts and lulls)."""
     if math.isinf(rate):
         # Everything at once; without gaps a duration cannot bound the count, num_prompts does.
         return [0.0] * cfg.num_prompts
@@ -93,7 +97,10 @@ def _arrivals(cfg: ServeConfig, rate: float, rng: random.Random) -> list[float]:
     now = 0.0
     while len(arrivals) < cfg.num_prompts if cfg.duration is None else now < cfg.duration:
         arrivals.append(now)
-        now += rng.expovariate(rate)
+        if cfg.burstiness == 1.0:
+            now += rng.expovariate(rate)
+        else:
+            now += rng.gammavariate(cfg.burstiness, 1.0 / (rate * cfg.burstiness))
     return arrivals
 
 
