@@ -55,13 +55,16 @@ def _run(xq, x_scale, packed, comp, w_scale, bias, n, dtype):
 def test_row_quantization_matches_reference_exactly(m, k, dtype):
     x = _rows(m, k, dtype)
     x[0] = 0  # a zero row: zeros, scale 0
-    xq, scale = ops.quantize_rows(x)
+    xq, scale = ops.quantize_rows(x, True)
     q, expected_scale = quantize_rows_reference(x)
     assert xq.shape == (m, -(-k // 4) * 4) and xq.dtype == torch.uint8
     assert torch.equal(xq[:, :k].to(torch.int16) - 128, q.to(torch.int16))
     assert (xq[:, k:] == 128).all()  # K padding is the value zero
     assert torch.equal(scale, expected_scale)
     assert scale[0] == 0 and (q[0] == 0).all()
+    signed, signed_scale = ops.quantize_rows(x, False)  # torch._int_mm's operand: q itself
+    assert signed.dtype == torch.int8 and torch.equal(signed, q)
+    assert torch.equal(signed_scale, expected_scale)
     # Symmetric per row: every nonzero row reaches +-127, and dequantizes within half a step.
     assert (q[1:].abs().amax(dim=1) == 127).all()
     err = (q.float() * expected_scale[:, None] - x.float()).abs()
@@ -85,7 +88,7 @@ def test_pack_layout():
 def test_kernel_int32_sums_equal_reference(m, n, k):
     qweight, _ = quantize_int8(_weight(n, k))
     packed, comp = pack_w8a8(qweight)
-    xq, x_scale = ops.quantize_rows(_rows(m, k, torch.float32))
+    xq, x_scale = ops.quantize_rows(_rows(m, k, torch.float32), True)
     acc = _run(xq, x_scale, packed, comp, torch.empty(0), torch.empty(0), n, torch.int32)
     q = (xq[:, :k].to(torch.int16) - 128).to(torch.int8)
     assert torch.equal(acc, int_matmul_reference(q, qweight))
@@ -101,12 +104,27 @@ def test_kernel_output_matches_reference(m, n, k, bias, dtype):
     b = torch.randn(n, generator=torch.Generator().manual_seed(2)) if bias else None
     x = _rows(m, k, dtype)
     packed, comp = pack_w8a8(qweight)
-    xq, x_scale = ops.quantize_rows(x)
+    xq, x_scale = ops.quantize_rows(x, True)
     out = _run(xq, x_scale, packed, comp, w_scale, b if bias else torch.empty(0), n, dtype)
     expected = w8a8_linear_reference(x, qweight, w_scale, b)
     assert out.dtype == dtype
     # The same integers and the same float32 steps: equal up to the order of rounding.
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 17), (64, 576), (5, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_dequantization_matches_reference(m, n, bias, dtype):
+    gen = torch.Generator().manual_seed(4)
+    acc = torch.randint(-(2**24), 2**24, (m, n), generator=gen, dtype=torch.int32)
+    x_scale, w_scale = torch.rand(m, generator=gen), torch.rand(n, generator=gen) * 1e-3
+    b = torch.randn(n, generator=gen) if bias else None
+    out = ops.dequantize_rows(acc, x_scale, w_scale, b if bias else torch.empty(0), dtype)
+    expected = dequantize(acc, x_scale, w_scale, b).to(dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=1e-6)
 
 
 def _layer(n: int, k: int, bias: bool, dtype: torch.dtype = torch.float32) -> LinearBase:
@@ -118,25 +136,31 @@ def _layer(n: int, k: int, bias: bool, dtype: torch.dtype = torch.float32) -> Li
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_method_is_the_reference_on_every_path(dtype, monkeypatch):
-    """Kernel, torch's int8 matmul and the float64 reference: the same outputs."""
+@pytest.mark.parametrize("path", ["torch_int_mm", "qiao_vnni", "no_extension", "reference"])
+def test_method_is_the_reference_on_every_path(dtype, path, monkeypatch):
+    """torch._int_mm between qiao's quantize / dequantize, qiao's VNNI GEMM, torch alone and the
+    float64 reference: the same outputs."""
+    if path in ("torch_int_mm", "qiao_vnni") and ops is None:
+        pytest.skip("the W8A8 extension is not built here")
+    if path == "qiao_vnni":
+        monkeypatch.setattr(quant_w8a8, "TORCH_INT_MM", False)
     layer = _layer(96, 80, bias=True, dtype=dtype)
     dense, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.method = choose_method(dense, quantization="w8a8", batch_hint=64)
     assert isinstance(layer.method, W8A8Method)
     layer.method.prepare(layer)
     assert layer.weight.dtype == torch.int8
+    assert (layer.weight_packed is not None) == (path == "qiao_vnni")
+    if path in ("no_extension", "reference"):
+        monkeypatch.setattr(quant_w8a8, "w8a8_ops", lambda: None)
+    if path == "reference":
+        monkeypatch.setattr(quant_w8a8, "int_mm_available", lambda: False)
     x = _rows(2 * 3 * 7, 80, dtype).reshape(2, 3, 7, 80)  # any leading dims
     qweight, w_scale = quantize_int8(dense)
     expected = w8a8_linear_reference(x.reshape(-1, 80), qweight, w_scale, bias).reshape(2, 3, 7, 96)
-    torch.testing.assert_close(layer(x), expected, atol=1e-6, rtol=1e-6)
-    packed = layer.weight_packed
-    layer.weight_packed = None  # as without the kernel: torch._int_mm
-    assert quant_w8a8.int_mm_available()
-    torch.testing.assert_close(layer(x), expected, atol=1e-6, rtol=1e-6)
-    monkeypatch.setattr(quant_w8a8, "int_mm_available", lambda: False)  # the reference
-    torch.testing.assert_close(layer(x), expected, atol=1e-6, rtol=1e-6)
-    layer.weight_packed = packed
+    out = layer(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_w8a8_is_close_to_the_float_linear():

@@ -7,11 +7,13 @@
 - Products: int8 x int8 summed exactly in int32 (|sum| <= 127 * 127 * K, far inside int32),
   then out = (sum * row_scale) * col_scale + bias in float32, returned in the input's dtype.
 
-The matmul is qiao's AVX-512 VNNI kernel (qiao/kernels/csrc/w8a8_ops.cpp, its own extension):
-`vpdpbusd` multiplies unsigned by signed bytes, so activations are stored as q + 128 and
-128 * colsum(w) is taken back out per column (precomputed here). Without the kernel (no VNNI,
-no compiler, QIAO_DISABLE_CPU_KERNELS=1) the same integers come from torch's int8 matmul
-(`torch._int_mm`), else from the float64 reference. Every path computes the same integers, so
+qiao/kernels/csrc/w8a8_ops.cpp (its own extension) quantizes the rows and dequantizes the
+sums in one pass each, and holds qiao's AVX-512 VNNI GEMM: `vpdpbusd` multiplies unsigned by
+signed bytes, so activations are stored as q + 128 and 128 * colsum(w) is taken back out per
+column (precomputed here). The GEMM itself is oneDNN's (`torch._int_mm`) where torch has it,
+measured faster here; qiao's kernel where it does not. Without the extension (no compiler,
+QIAO_DISABLE_CPU_KERNELS=1) quantization and dequantization are the PyTorch reference's around
+`torch._int_mm`, else everything is the float64 reference. Every path computes the same integers, so
 outputs agree to float32 rounding of the dequantization.
 
 Batch invariance comes free: a row's integers depend on that row alone (its own scale, sums
@@ -42,6 +44,9 @@ _NAME = "qiao_w8a8_ops"
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
 _BLOCK_COLS = 16  # output features per packed block (the kernel's kBlockCols)
+# Where torch has its int8 GEMM on the CPU, W8A8Method uses it (a test switch: False runs
+# qiao's VNNI kernel instead).
+TORCH_INT_MM = True
 _LOAD_LOCK = threading.Lock()
 _ops: list[ModuleType | None] = []  # [] until first asked, then [module or None]
 
@@ -129,6 +134,11 @@ def int_mm_available() -> bool:
 
 
 class W8A8Method(LinearMethod):
+    """The integer sums come from oneDNN's int8 GEMM through `torch._int_mm` where torch has
+    it on the CPU (`TORCH_INT_MM`; on the 135M shapes at 64 rows it ran ~1.7-1.9x qiao's VNNI
+    kernel, docs/quantization.md), with qiao's fused per-row quantization before it and
+    dequantization after it; else from qiao's kernel over the packed weight."""
+
     name = "w8a8"
 
     def prepare(self, layer: LinearBase) -> None:
@@ -138,7 +148,8 @@ class W8A8Method(LinearMethod):
         layer.register_buffer("weight_scale", scale, persistent=False)
         layer.register_buffer("bias_f32", bias, persistent=False)
         packed = comp = None
-        if qweight.device.type == "cpu" and w8a8_ops() is not None:
+        on_cpu = qweight.device.type == "cpu"
+        if on_cpu and w8a8_ops() is not None and not (TORCH_INT_MM and int_mm_available()):
             packed, comp = pack_w8a8(qweight)
         layer.register_buffer("weight_packed", packed, persistent=False)
         layer.register_buffer("weight_comp", comp, persistent=False)
@@ -151,10 +162,10 @@ class W8A8Method(LinearMethod):
         rows = x.reshape(-1, shape[-1])
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.float()
-        ops = w8a8_ops() if layer.weight_packed is not None else None
-        if ops is not None:
-            xq, x_scale = ops.quantize_rows(rows.contiguous())
-            bias = layer.bias_f32 if layer.bias_f32 is not None else _EMPTY
+        ops = w8a8_ops() if rows.device.type == "cpu" else None
+        bias = layer.bias_f32 if layer.bias_f32 is not None else _EMPTY
+        if ops is not None and layer.weight_packed is not None:
+            xq, x_scale = ops.quantize_rows(rows.contiguous(), True)
             out = ops.w8a8_linear(
                 xq,
                 x_scale,
@@ -165,6 +176,10 @@ class W8A8Method(LinearMethod):
                 layer.output_size,
                 rows.dtype,
             )
+        elif ops is not None and int_mm_available():
+            q, x_scale = ops.quantize_rows(rows.contiguous(), False)
+            acc = torch._int_mm(q, layer.weight.T)
+            out = ops.dequantize_rows(acc, x_scale, layer.weight_scale, bias, rows.dtype)
         else:
             q, x_scale = quantize_rows_reference(rows)
             if rows.device.type == "cpu" and int_mm_available():

@@ -190,8 +190,9 @@ void run_gemm(const uint8_t* a, int64_t M, int64_t Kp, const int8_t* w, int64_t 
   });
 }
 
-template <typename scalar_t>
-void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* q, float* scale) {
+// kOffset 128: uint8 q + 128 (this file's GEMM); 0: int8 q (torch._int_mm).
+template <int kOffset, typename scalar_t, typename q_t>
+void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, q_t* q, float* scale) {
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   // The reference's arithmetic exactly: inv = 127 / amax in float32, q = round-half-even(x inv).
@@ -199,9 +200,9 @@ void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* q, float* s
   *scale = amax / 127.f;
   for (int64_t k = 0; k < K; ++k) {
     const float v = std::nearbyint(static_cast<float>(x[k]) * inv);
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(std::min(127.f, std::max(-127.f, v))) + 128);
+    q[k] = static_cast<q_t>(static_cast<int32_t>(std::min(127.f, std::max(-127.f, v))) + kOffset);
   }
-  for (int64_t k = K; k < Kp; ++k) q[k] = 128;  // zero, against the weight's zero padding
+  for (int64_t k = K; k < Kp; ++k) q[k] = kOffset;  // zero, against the weight's zero padding
 }
 
 #ifdef QIAO_VNNI
@@ -212,8 +213,8 @@ inline __m512 load16(const c10::BFloat16* x, __mmask16 m) {
 }
 
 // quantize_row vectorised: the same float32 operations, so the same bytes.
-template <typename scalar_t>
-void quantize_row_avx512(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* q, float* scale) {
+template <int kOffset, typename scalar_t, typename q_t>
+void quantize_row_avx512(const scalar_t* x, int64_t K, int64_t Kp, q_t* q, float* scale) {
   __m512 vmax = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16)
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + k, lanes(K - k))));
@@ -221,7 +222,7 @@ void quantize_row_avx512(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* q, f
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   *scale = amax / 127.f;
   const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  const __m512i shift = _mm512_set1_epi32(128);
+  const __m512i shift = _mm512_set1_epi32(kOffset);
   for (int64_t k = 0; k < Kp; k += 16) {
     const __mmask16 m = lanes(Kp - k);
     __m512 v = _mm512_mul_ps(load16(x + k, lanes(K - k)), vinv);  // zeros past K -> 128
@@ -242,26 +243,18 @@ bool w8a8_available() {
 #endif
 }
 
-// x [M, K] float32 / bfloat16 -> (uint8 [M, Kp] = q + 128, float32 scale [M]), Kp = ceil(K/4)*4:
-// q = round(x * 127 / max|x_row|), symmetric per row (a zero row quantizes to zeros, scale 0).
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: x must be contiguous [M, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
-              "quantize_rows: x must be float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 3) / 4 * 4;
-  auto q = torch::empty({M, Kp}, x.options().dtype(torch::kUInt8));
-  auto scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
-  uint8_t* qp = q.data_ptr<uint8_t>();
-  float* sp = scale.data_ptr<float>();
+template <int kOffset, typename q_t>
+void quantize_all(const torch::Tensor& x, int64_t Kp, q_t* qp, float* sp) {
+  const int64_t M = x.size(0), K = x.size(1);
   AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_rows",
     AT_DISPATCH_CASE(torch::kFloat32, [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
         for (int64_t m = b; m < e; ++m)
 #ifdef QIAO_VNNI
-          quantize_row_avx512(xp + m * K, K, Kp, qp + m * Kp, sp + m);
+          quantize_row_avx512<kOffset>(xp + m * K, K, Kp, qp + m * Kp, sp + m);
 #else
-          quantize_row(xp + m * K, K, Kp, qp + m * Kp, sp + m);
+          quantize_row<kOffset>(xp + m * K, K, Kp, qp + m * Kp, sp + m);
 #endif
       });
     })
@@ -270,13 +263,83 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
       at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
         for (int64_t m = b; m < e; ++m)
 #ifdef QIAO_VNNI
-          quantize_row_avx512(xp + m * K, K, Kp, qp + m * Kp, sp + m);
+          quantize_row_avx512<kOffset>(xp + m * K, K, Kp, qp + m * Kp, sp + m);
 #else
-          quantize_row(xp + m * K, K, Kp, qp + m * Kp, sp + m);
+          quantize_row<kOffset>(xp + m * K, K, Kp, qp + m * Kp, sp + m);
 #endif
       });
     }));
+}
+
+// x [M, K] float32 / bfloat16 -> (q, float32 scale [M]): q = round(x * 127 / max|x_row|),
+// symmetric per row (a zero row quantizes to zeros, scale 0). `shifted`: uint8 [M, Kp] = q + 128,
+// Kp = ceil(K/4)*4 (this file's GEMM); else int8 [M, K] = q (torch._int_mm).
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool shifted) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: x must be contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quantize_rows: x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), Kp = shifted ? (K + 3) / 4 * 4 : K;
+  auto q = torch::empty({M, Kp}, x.options().dtype(shifted ? torch::kUInt8 : torch::kInt8));
+  auto scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  if (shifted) {
+    quantize_all<128>(x, Kp, q.data_ptr<uint8_t>(), scale.data_ptr<float>());
+  } else {
+    quantize_all<0>(x, Kp, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+  }
   return {q, scale};
+}
+
+// acc int32 [M, N] (torch._int_mm's sums) -> (acc * x_scale[m]) * w_scale[n] + bias[n] in
+// `out_dtype` (float32 / bfloat16), in one pass: the same epilogue as w8a8_linear's.
+torch::Tensor dequantize_rows(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
+                              torch::Tensor bias, torch::ScalarType out_dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == torch::kInt32,
+              "dequantize_rows: acc must be contiguous int32 [M, N]");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              "dequantize_rows: out_dtype must be float32 or bfloat16");
+  TORCH_CHECK(x_scale.scalar_type() == torch::kFloat32 && x_scale.numel() == M &&
+                  x_scale.is_contiguous(), "dequantize_rows: x_scale must be float32 [M]");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N &&
+                  w_scale.is_contiguous(), "dequantize_rows: w_scale must be float32 [N]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() &&
+                                    bias.scalar_type() == torch::kFloat32),
+              "dequantize_rows: bias must be [N] float32 or empty");
+  auto out = torch::empty({M, N}, acc.options().dtype(out_dtype));
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* xs = x_scale.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const bool bf16 = out_dtype == torch::kBFloat16;
+  void* op = out.data_ptr();
+  at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      int64_t n = 0;
+#ifdef QIAO_VNNI
+      const __m512 row = _mm512_set1_ps(xs[m]);
+      for (; n + 16 <= N; n += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(ap + m * N + n)), row);
+        v = _mm512_mul_ps(v, _mm512_loadu_ps(ws + n));
+        if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n));
+        if (!bf16) {
+          _mm512_storeu_ps(static_cast<float*>(op) + m * N + n, v);
+          continue;
+        }
+        __m512i bits = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(op) + m * N + n),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+      }
+#endif
+      for (; n < N; ++n) {
+        const float v = dequant(ap[m * N + n], xs[m], ws[n], bp, n);
+        if (bf16) static_cast<uint16_t*>(op)[m * N + n] = bf16_bits(v);
+        else static_cast<float*>(op)[m * N + n] = v;
+      }
+    }
+  });
+  return out;
 }
 
 // xq [M, Kp] uint8 (quantize_rows), packed [NB, Kp/4, 16, 4] int8 and comp [NB*16] int32
@@ -329,6 +392,7 @@ torch::Tensor w8a8_linear(torch::Tensor xq, torch::Tensor x_scale, torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_available", &w8a8_available, "whether this build has the AVX-512 VNNI kernel");
-  m.def("quantize_rows", &quantize_rows, "x -> (uint8 q + 128, scale) per row, symmetric");
+  m.def("quantize_rows", &quantize_rows, "x -> (q: uint8 q + 128 if shifted else int8, scale) per row");
+  m.def("dequantize_rows", &dequantize_rows, "int32 sums -> (sum * x_scale) * w_scale + bias");
   m.def("w8a8_linear", &w8a8_linear, "int8 rows x int8 packed weight, int32 sums, dequantized");
 }
