@@ -274,3 +274,19 @@ def test_bench_serve_bursty_arrivals_keep_the_rate() -> None:
     assert 0.09 <= mean <= 0.11
     # Gamma of shape 0.25: coefficient of variation 2 (a Poisson process's is 1).
     assert statistics.pstdev(gaps) / mean > 1.6
+
+
+def test_serve_settings_reach_the_engine_config(tiny_checkpoint) -> None:
+    from qiao.api.server import engine_config
+    from qiao.api.settings import ServeSettings
+
+    settings = ServeSettings(
+        model=str(tiny_checkpoint("llama")),
+        target_itl_ms=20.0,
+        target_itl_tolerance=0.1,
+        adaptive_min_batched_tokens=64,
+        embedding_target_p99_ms=30.0,
+    )
+    scheduler = engine_config(settings)[0].scheduler
+    assert (scheduler.target_itl_ms, scheduler.target_itl_tolerance) == (20.0, 0.1)
+    assert scheduler.adaptive_min_batched_tokens == 64

@@ -292,7 +292,10 @@ def default_embedder(settings: ServeSettings) -> EncoderVersion | None:
     )
     encoder = builder.encoder(spec, name=f"{DEFAULT_EMBEDDER_NAME}/1")
     batching = BatcherConfig(
-        max_batch_size=64, preferred_batch_sizes=(16, 32, 64), max_queue_delay_us=2000
+        max_batch_size=64,
+        preferred_batch_sizes=(16, 32, 64),
+        max_queue_delay_us=2000,
+        target_p99_ms=settings.embedding_target_p99_ms,
     )
     return EncoderVersion(
         DEFAULT_EMBEDDER_NAME,

@@ -73,6 +73,13 @@ class ServeSettings(_EngineFields):
         "the replica their first this-many tokens hash to (its prefix cache), unless it holds 8 "
         "more requests than the least loaded; 0: least loaded only",
     )
+    embedding_target_p99_ms: float | None = Field(
+        None,
+        gt=0,
+        description="adaptive batching of the built-in embedding model: its queue delay (at "
+        "most 2 ms) moves to hold the p99 request latency at this many milliseconds (a model "
+        "repository's encoders: dynamic_batching.target_p99_ms in config.yaml); default: off",
+    )
     # --- replicas on Ray Serve (qiao[ray]) ------------------------------------------------------
     ray: str | None = Field(
         None,
