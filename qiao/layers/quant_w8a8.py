@@ -135,7 +135,7 @@ def int_mm_available() -> bool:
 
 class W8A8Method(LinearMethod):
     """The integer sums come from oneDNN's int8 GEMM through `torch._int_mm` where torch has
-    it on the CPU (`TORCH_INT_MM`; on the 135M shapes at 64 rows it ran ~1.7-1.9x qiao's VNNI
+    it on the CPU (`TORCH_INT_MM`; on the 135M shapes at 64 rows it ran 1.5-2x qiao's VNNI
     kernel, docs/quantization.md), with qiao's fused per-row quantization before it and
     dequantization after it; else from qiao's kernel over the packed weight."""
 
