@@ -101,6 +101,30 @@ def test_engine_config_checks_the_target() -> None:
         EngineConfig.create("/nonexistent", target_itl_ms=-1.0)
 
 
+# --- the scheduler's side: a budget below the running sequences never starves decodes ----
+
+
+def test_scheduler_adaptive_budget_caps_prefill_not_decodes() -> None:
+    from test_scheduler import make_request, make_scheduler, step
+
+    scheduler, _ = make_scheduler(num_blocks=128, max_num_seqs=8, budget=64)
+    for _ in range(4):
+        scheduler.add_request(make_request(range(1, 5), max_tokens=20))
+    step(scheduler)  # four 4-token prompts in one step
+    scheduler.set_token_budget(2)  # below the 4 running sequences
+    long = make_request(range(100, 140), max_tokens=4)
+    scheduler.add_request(long)
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == 4  # the four decodes, no prefill beside them
+    scheduler.set_token_budget(12)
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == 12  # four decodes and an 8-token chunk of the prompt
+    assert long.num_computed_tokens == 8
+    scheduler.set_token_budget(None)
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == 4 + 32
+
+
 # --- the LLM engine under a fake step clock ----------------------------------------------
 
 TARGET_MS, TOLERANCE = 5.0, 0.2
