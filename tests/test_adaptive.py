@@ -314,3 +314,40 @@ def test_serve_settings_reach_the_engine_config(tiny_checkpoint) -> None:
     scheduler = engine_config(settings)[0].scheduler
     assert (scheduler.target_itl_ms, scheduler.target_itl_tolerance) == (20.0, 0.1)
     assert scheduler.adaptive_min_batched_tokens == 64
+
+
+def test_metrics_export_the_choices() -> None:
+    from types import SimpleNamespace
+
+    from qiao.api.metrics import ServerMetrics
+
+    class Engine:
+        def stats(self):
+            return {**_IDLE_STATS, "adaptive_token_budget": 96, "adaptive_step_time_seconds": 0.02}
+
+    llm = SimpleNamespace(model="gen", version="1", engine=Engine())
+    metrics = ServerMetrics(lambda: [llm])
+    batcher = DynamicBatcher(
+        lambda items: items,
+        BatcherConfig(max_queue_delay_us=4000, target_p99_ms=5.0),
+        name="embed",
+        on_batch=metrics.batch_observer("embed", "1"),
+    )
+    batcher.on_batch.watch_engine(lambda: {})
+    batcher._report(batcher.adapt(BatchStats(1, 1, (0.001,), 0.002)))
+    text = metrics.render().decode()
+    assert 'qiao:adaptive_token_budget{model_name="gen",version="1"} 96.0' in text
+    assert 'qiao:adaptive_step_time_seconds{model_name="gen",version="1"} 0.02' in text
+    assert 'qiao:adaptive_queue_delay_seconds{model_name="embed",version="1"} 0.004' in text
+    assert 'qiao:adaptive_p99_latency_seconds{model_name="embed",version="1"} 0.003' in text
+
+
+_IDLE_STATS = {
+    "num_running": 0,
+    "num_waiting": 0,
+    "kv_cache_usage": 0.0,
+    "num_preemptions": 0,
+    "prefix_cache_queried_tokens": 0,
+    "prefix_cache_hit_tokens": 0,
+    "num_steps": 0,
+}
