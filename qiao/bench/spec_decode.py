@@ -48,7 +48,7 @@ SPEC_SETTINGS = (
 
 @dataclass
 class SpecBenchConfig:
-    model: str | None
+    model: str | None = None
     shape: str | None = None
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 4
