@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", required=True, help="a `qiao tune` profile (its budget)")
     p.add_argument("--full-budget", type=int, default=2048, help="the adaptive server's max")
     p.add_argument("--target-itl-ms", type=float, default=20.0)
-    p.add_argument("--rates", default="4,8,16,32")
+    p.add_argument("--rates", default="8,16,32,64")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per rate")
-    p.add_argument("--input-len", default="256:512")
+    p.add_argument("--input-len", default="40:100", help="words (stories260K: 512 tokens)")
     p.add_argument("--output-len", default="16:48")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-itl", type=float, default=0.04)
@@ -131,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
                 "slo_holding_rate": _holding_rate(rows, args.slo_share),
                 **extra,
                 "rates": [
-                    {k: r[k] for k in ("request_rate", "num_requests", "goodput", "duration_s")}
+                    {
+                        k: r[k]
+                        for k in (
+                            "request_rate",
+                            "num_requests",
+                            "num_errors",
+                            "errors",
+                            "goodput",
+                            "duration_s",
+                        )
+                    }
                     | {"itl_s": r["itl_s"], "ttft_s": r["ttft_s"]}
                     for r in rows
                 ],
