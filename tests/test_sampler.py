@@ -1,6 +1,5 @@
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -255,7 +254,11 @@ def test_uniforms_stay_strictly_inside_the_unit_interval() -> None:
     assert bool((noise > 0).all() and noise.isfinite().all())
 
 
-def test_big_batch_is_fast() -> None:
+def test_a_big_mixed_batch_samples_every_row() -> None:
+    """64 rows over a 50k vocabulary, each mixing greedy and sampled decoding, top-p/top-k/min-p,
+    penalties, logprobs and min_tokens, sample in one call: one token per row, finite logprobs, and
+    the same tokens again for the same seeds. (Its speed is a benchmark's business: `qiao bench
+    latency` times whole steps.)"""
     vocab_size = 50_000
     logits = random_logits(64, vocab_size)
     rows = [
@@ -275,23 +278,11 @@ def test_big_batch_is_fast() -> None:
         )
         for i in range(64)
     ]
-    # One intra-op thread: on a shared 2-vCPU box a busy second core stalls every OpenMP region
-    # (elementwise ops measured 10x slower), which would time the neighbours, not the sampler.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sample(logits, rows)  # warm-up
-        timings = []
-        for _ in range(3):
-            start = time.perf_counter()
-            out = sample(logits, rows)
-            timings.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(num_threads)
+    out = sample(logits, rows)
     assert out.sampled_token_ids.shape == (64,)
     assert not math.isnan(out.logprobs.sum().item())
-    # Typically ~0.4 s on one CPU thread, most of it the full-vocab sort that top-p needs.
-    assert min(timings) < 0.8, f"64 x 50k sampling took {min(timings):.3f}s"
+    again = sample(logits, rows)
+    assert torch.equal(out.sampled_token_ids, again.sampled_token_ids)  # seeded rows repeat
 
 
 def test_top_p_candidate_fast_path_equals_full_sort():

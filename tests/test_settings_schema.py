@@ -112,6 +112,8 @@ NOT_ENGINE_FLAGS = {
     ("bench/cli.py", "_add_embeddings"): {"--model", "--seed"},
     ("bench/cli.py", "_add_soak"): {"--model", "--seed"},
     ("cli.py", "_add_export_command"): {"--model"},
+    # The server's checkpoint and the workload's seed, not an engine built in this process.
+    ("bench/response_cache.py", "main"): {"--model", "--seed"},
 }
 
 

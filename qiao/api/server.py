@@ -73,6 +73,11 @@ _ENGINE_SETTINGS = (
     "max_lora_rank",
     "max_cpu_loras",
     "lora_modules",
+    "speculative_method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "speculative_model",
 )
 
 

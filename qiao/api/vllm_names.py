@@ -36,6 +36,9 @@ VLLM_NAMES = {
     "qiao:request_generation_tokens": ("vllm:request_generation_tokens",),
     "qiao:request_params_max_tokens": ("vllm:request_params_max_tokens",),
     "qiao:iteration_tokens_total": ("vllm:iteration_tokens_total",),
+    "qiao:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "qiao:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "qiao:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
 
 
