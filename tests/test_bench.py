@@ -147,6 +147,10 @@ def test_help_documents_every_flag() -> None:
         "embeddings",
         "soak",
         "gguf",
+        "spec",
+        "cache",
+        "lora",
+        "adaptive",
     }
     for name, parser in subparsers.choices.items():
         for action in parser._actions:

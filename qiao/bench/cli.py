@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import re
 import sys
@@ -108,6 +109,46 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_soak(sub)
     _add_quality(sub)
     _add_gguf(sub)
+    for name, (module, summary) in _MODULE_BENCHMARKS.items():
+        _add_module_benchmark(sub, name, module, summary)
+
+
+# Benchmarks with their own argument parser (`main(argv)` in their module), run as
+# `qiao bench NAME [ARGS]`; `qiao bench NAME --help` prints their flags.
+_MODULE_BENCHMARKS = {
+    "spec": (
+        "qiao.bench.spec_decode",
+        "speculative vs plain batch-1 decoding side by side (tok/s, acceptance)",
+    ),
+    "cache": (
+        "qiao.bench.response_cache",
+        "qiao serve with the response cache off, then on: hit rate and latency on repeats",
+    ),
+    "lora": ("qiao.bench.lora", "decode step time with 0, 1 and 4 LoRA adapters in one batch"),
+    "adaptive": (
+        "qiao.bench.adaptive",
+        "SLO-holding request rate: adaptive batching against the best static budget",
+    ),
+}
+
+
+def _add_module_benchmark(
+    sub: argparse._SubParsersAction, name: str, module: str, summary: str
+) -> None:
+    # No options of its own ("+" is no flag's prefix): every argument goes to the benchmark.
+    p = sub.add_parser(name, help=summary, description=summary, add_help=False, prefix_chars="+")
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help=f"the benchmark's own flags (`qiao bench {name} --help` lists them)",
+    )
+    p.set_defaults(func=lambda args: _run_module_benchmark(module, name, args.args))
+
+
+def _run_module_benchmark(module: str, name: str, argv: list[str]) -> int:
+    main = importlib.import_module(module).main
+    sys.argv[0] = f"qiao bench {name}"
+    return main(argv) or 0
 
 
 # --- argument types ---------------------------------------------------------------------------

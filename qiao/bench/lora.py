@@ -1,4 +1,4 @@
-"""Multi-LoRA decode step time: `python -m qiao.bench.lora [--layers N] [--rank R]`.
+"""Multi-LoRA decode step time: `qiao bench lora [--layers N] [--rank R]`.
 
 One run, side by side: an engine without LoRA, then one with `enable_lora` whose decode steps
 run 0, 1 and 4 distinct adapters (random PEFT-format adapters of rank R on all seven
@@ -141,13 +141,13 @@ def layer_us(rows: int, k: int, n: int, rank: int, num_adapters: int) -> tuple[f
     return median_us(lambda: layer.apply(x, y)), median_us(lambda: bgmv(x, layer, token_slots))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     config = {**_CONFIG, "num_hidden_layers": args.layers}
     with tempfile.TemporaryDirectory() as root:
@@ -190,7 +190,8 @@ def main() -> None:
     for label, (k, nn_) in {"576 -> 576": (hidden, hidden), "576 -> 1536": (hidden, inter)}.items():
         grouped, gathered = layer_us(n, k, nn_, args.rank, 4)
         print(f"  {label:12s} {grouped:8.1f} / {gathered:8.1f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

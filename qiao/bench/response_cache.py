@@ -1,7 +1,7 @@
 """The response cache's benchmark: one workload with repeats, against `qiao serve` with the cache
 off and on, side by side in one run.
 
-    python -m qiao.bench.response_cache --requests 200 --repeat-share 0.5 \\
+    qiao bench cache --requests 200 --repeat-share 0.5 \\
         --json docs/results/response_cache.json [-- extra qiao serve flags]
 
 Each mode starts its own `qiao serve` (the built-in demo model unless `--model`), sends the same
@@ -130,7 +130,7 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qiao.bench.response_cache")
+    parser = argparse.ArgumentParser(prog="qiao bench cache")
     parser.add_argument("--model", help="checkpoint to serve (default: the built-in demo)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--repeat-share", type=float, default=0.5)

@@ -13,7 +13,7 @@ Workloads (the prompt text is `--text`, by default a passage in the checkpoint's
   extraction, where the output repeats spans of the prompt);
 - `free`: the passage's first words only: the model writes on (what it repeats is its own).
 
-    python -m qiao.bench.spec_decode --model qiao/demo_model --speculative-method ngram
+    qiao bench spec --model qiao/demo_model --speculative-method ngram
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def format_spec_bench(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m qiao.bench.spec_decode",
+        prog="qiao bench spec",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
