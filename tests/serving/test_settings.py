@@ -157,8 +157,11 @@ def test_quantization_reaches_the_engine_config_and_bad_values_are_named() -> No
     assert config.model.quantization == "int8"
     config, _ = engine_config(load_settings(["--no-profile"]))
     assert config.model.quantization is None
+    for name in ("int4", "w8a8"):
+        config, _ = engine_config(load_settings(["--quantization", name, "--no-profile"]))
+        assert config.model.quantization == name
     with pytest.raises(ConfigError, match="quantization"):
-        load_settings(["--quantization", "int4"])
+        load_settings(["--quantization", "int3"])
 
 
 def test_kv_cache_dtype_reaches_the_engine_config_and_bad_values_are_named() -> None:
