@@ -23,7 +23,6 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from qiao.bench.gguf import quantize_q4_k, write_gguf
 from qiao.entrypoints.llm import LLM
 from qiao.errors import ModelLoadError
-from qiao.layers import quant_int4
 from qiao.layers.linear import LinearBase
 from qiao.models import load_arch_config, load_model
 from qiao.models.gguf import (
@@ -276,13 +275,10 @@ def test_q4_logits_equal_the_dequantized_model(file_type, gguf_of, q4k_checkpoin
     arch = load_arch_config(path)
     model = load_model(path, arch, dtype=torch.float32, device=torch.device("cpu"))
     methods = {m.method.name for m in model.modules() if isinstance(m, LinearBase)}
-    got = qiao_logits(path, PROMPT)  # the file's own path: int4 when it is in, else float
-    if hasattr(quant_int4, "Int4Method"):
-        assert methods == {"int4"}
-        # The int4 kernels' own rounding of the activations on top of the exact weights.
-        assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
-    else:
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    got = qiao_logits(path, PROMPT)  # the file's own path: int4
+    assert methods == {"int4"}
+    # The int4 kernels' own rounding of the activations on top of the exact weights.
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
 
 
 def test_q4_0_tied_head_reads_the_embedding_codes(gguf_of):
@@ -294,11 +290,8 @@ def test_q4_0_tied_head_reads_the_embedding_codes(gguf_of):
         path, load_arch_config(path), dtype=torch.float32, device=torch.device("cpu")
     )
     got = qiao_logits(path, PROMPT)
-    if hasattr(quant_int4, "Int4Method"):
-        assert model.lm_head.method.name == "int4"
-        assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
-    else:
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert model.lm_head.method.name == "int4"
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
 
 
 # --- tokenizer and chat -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from qiao import LLM, SamplingParams
 from qiao.bench.quality import measure_quality
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.layers import quant_int4
+from qiao.layers.int4_checkpoint import read_int4_checkpoint_format
 from qiao.layers.linear import LinearBase, MergedLinear, QKVLinear, RowParallelLinear
 from qiao.layers.quant_int4 import (
     Int4Method,
@@ -32,7 +33,6 @@ from qiao.layers.quant_int4 import (
     pack_int4,
     quantize_activations,
     quantize_int4,
-    read_int4_checkpoint_format,
     unpack_int4,
 )
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.gguf_file import is_gguf_path
-from qiao.layers.quant_int4 import Int4CheckpointFormat, read_int4_checkpoint_format
+from qiao.layers.int4_checkpoint import Int4CheckpointFormat, read_int4_checkpoint_format
 from qiao.layers.rotary import validate_rope_scaling
 from qiao.models.registry import supported_architectures
 

@@ -35,8 +35,7 @@ from torch import nn
 
 from qiao.errors import ModelLoadError
 from qiao.gguf_file import NO_TOKEN_ID, open_gguf_reader
-from qiao.layers import quant_int4
-from qiao.layers.quant_int4 import Int4Weights
+from qiao.layers.quant_int4 import Int4Weights, attach_int4_weights
 from qiao.models.arch_config import ArchConfig
 
 logger = logging.getLogger("qiao.loader")
@@ -232,9 +231,9 @@ def _float_dtype(f: GGUFFile) -> str:
     return "float32"
 
 
-def gguf_quantization(path: str | Path, int4_available: bool) -> str | None:
+def gguf_quantization(path: str | Path) -> str | None:
     """The linear layers' path for the file's matrices: "int8" for Q8_0, "int4" for Q4_0 /
-    Q4_K (when the 4-bit path is in), None for float ones (dequantized Q4 too)."""
+    Q4_K, None for float ones."""
     f = open_gguf(path)
     types = {
         t.tensor_type.name
@@ -242,7 +241,7 @@ def gguf_quantization(path: str | Path, int4_available: bool) -> str | None:
         if name.startswith("blk.") and len(t.shape) == 2
     }
     if types & {"Q4_0", "Q4_K"}:
-        return "int4" if int4_available else None
+        return "int4"
     return "int8" if "Q8_0" in types else None
 
 
@@ -264,7 +263,7 @@ def load_gguf_checkpoint(
         )
         raise ModelLoadError(f"{f.path.name} lacks tensor(s) for: {shown}")
     if quantization is None:
-        quantization = gguf_quantization(f.path, hasattr(quant_int4, "Int4Method"))
+        quantization = gguf_quantization(f.path)
         if quantization is not None:
             logger.info("%s: linear layers on the %s path", f.path.name, quantization)
     if quantization == "int4":
@@ -286,7 +285,7 @@ def _attach_int4(model: nn.Module, path: Path) -> None:
         param_name, shard_id = _param_name(name)
         module = model.get_submodule(param_name.rpartition(".")[0])
         if isinstance(module, LinearBase):
-            quant_int4.attach_int4_weights(module, weights, shard_id)
+            attach_int4_weights(module, weights, shard_id)
             attached.add(module)
     for module in model.modules():
         if isinstance(module, LinearBase) and module not in attached:

@@ -20,6 +20,7 @@ from qiao.errors import ModelLoadError
 from qiao.layers.activation import SiluAndMul
 from qiao.layers.attention import Attention
 from qiao.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qiao.layers.int4_checkpoint import Int4CheckpointReader
 from qiao.layers.layernorm import RMSNorm
 from qiao.layers.linear import (
     MergedLinear,
@@ -27,7 +28,6 @@ from qiao.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from qiao.layers.quant_int4 import Int4CheckpointReader
 from qiao.layers.rotary import RotaryEmbedding, apply_rotary
 from qiao.models.arch_config import ArchConfig
 

@@ -17,8 +17,8 @@ from torch import nn
 from qiao.errors import ConfigError, ModelLoadError
 from qiao.gguf_file import is_gguf_path
 from qiao.layers.fused_moe import prepare_experts
+from qiao.layers.int4_checkpoint import int4_checkpoint_quantization
 from qiao.layers.linear import prepare_linears
-from qiao.layers.quant_int4 import int4_checkpoint_quantization
 from qiao.logs import Progress
 from qiao.models import gguf
 from qiao.models.arch_config import ArchConfig
