@@ -13,18 +13,18 @@ the weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qiao.attention.metadata import AttentionMetadata
 from qiao.distributed.parallel_state import divide
+from qiao.layers.activation import GeluTanhAndMul
 from qiao.layers.attention import Attention
 from qiao.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qiao.layers.layernorm import RMSNorm
-from qiao.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from qiao.layers.linear import QKVLinear, RowParallelLinear
 from qiao.layers.rotary import RotaryEmbedding, apply_rotary
 from qiao.models.arch_config import ArchConfig
-from qiao.models.llama import LlamaForCausalLM
+from qiao.models.llama import LlamaForCausalLM, LlamaMLP
 
 # (cos, sin) of the step's positions, by layer type.
 RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -46,14 +46,6 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class GeluTanhAndMul(nn.Module):
-    """[..., 2 * I] laid out as [gate | up] -> gelu_tanh(gate) * up, [..., I]."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
 
 
 class GemmaAttention(nn.Module):
@@ -103,23 +95,11 @@ class GemmaAttention(nn.Module):
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, metadata))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
-        super().__init__()
-        size = arch.intermediate_size
-        self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias)
-        self.act_fn = GeluTanhAndMul()
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = GemmaAttention(arch, layer_index)
-        self.mlp = GemmaMLP(arch)
+        self.mlp = LlamaMLP(arch, GeluTanhAndMul())  # Llama's MLP with a tanh-GELU gate
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)

@@ -90,11 +90,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    """gate_up -> gated activation (SiLU, or the family's own) -> down."""
+
+    def __init__(self, arch: ArchConfig, act_fn: nn.Module | None = None) -> None:
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
