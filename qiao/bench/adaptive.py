@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             summary = report["results"][f"{shape}/{name}"]
             print(shape, name, "SLO-holding rate:", summary["slo_holding_rate"], extra, flush=True)
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            # Written after each server, so a run cut short keeps what it measured.
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
