@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-itl", type=float, default=0.04)
     p.add_argument("--slo-share", type=float, default=0.9)
+    p.add_argument("--request-timeout", type=float, default=15.0, help="s (past it: an error)")
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--json", required=True)
     p.add_argument("--logs", default="/tmp")
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     slo_itl=args.slo_itl,
                     show_progress=False,
                     burstiness=burstiness,
+                    request_timeout=args.request_timeout,
                 )
                 serve = run_serve(cfg)
                 extra = _budget_range(url)
