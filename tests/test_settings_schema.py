@@ -114,6 +114,8 @@ NOT_ENGINE_FLAGS = {
     ("cli.py", "_add_export_command"): {"--model"},
     # The server's checkpoint and the workload's seed, not an engine built in this process.
     ("bench/response_cache.py", "main"): {"--model", "--seed"},
+    # Flags of the two servers it starts, not of an engine in this process.
+    ("bench/adaptive.py", "main"): {"--model", "--profile", "--target-itl-ms"},
 }
 
 

@@ -7,7 +7,7 @@ rate ladder; the SLO-holding rate is the highest rate whose goodput (requests me
 and mean-ITL SLOs) is at least `--slo-share` of the requests sent. Run under
 `flock /tmp/qiao-bench.lock`:
 
-    python -m qiao.bench.adaptive --model /work/shared/models/stories260K-hf \\
+    qiao bench adaptive --model /work/shared/models/stories260K-hf \\
         --profile profile.json --json docs/results/adaptive_stories260k.json
 """
 
@@ -66,22 +66,28 @@ def _holding_rate(rates: list[dict[str, Any]], share: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(prog="qiao bench adaptive", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="checkpoint both servers serve")
     p.add_argument("--profile", required=True, help="a `qiao tune` profile (its budget)")
     p.add_argument("--full-budget", type=int, default=2048, help="the adaptive server's max")
-    p.add_argument("--target-itl-ms", type=float, default=20.0)
-    p.add_argument("--rates", default="8,16,32,64")
+    p.add_argument(
+        "--target-itl-ms", type=float, default=20.0, help="the adaptive server's ITL target"
+    )
+    p.add_argument("--rates", default="8,16,32,64", help="request rates of the ladder (req/s)")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per rate")
     p.add_argument("--input-len", default="40:100", help="words (stories260K: 512 tokens)")
-    p.add_argument("--output-len", default="16:48")
-    p.add_argument("--slo-ttft", type=float, default=2.0)
-    p.add_argument("--slo-itl", type=float, default=0.04)
-    p.add_argument("--slo-share", type=float, default=0.9)
+    p.add_argument("--output-len", default="16:48", help="output tokens per request (MIN:MAX)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: time to first token (s)")
+    p.add_argument("--slo-itl", type=float, default=0.04, help="SLO: mean inter-token latency (s)")
+    p.add_argument(
+        "--slo-share", type=float, default=0.9, help="share of requests that must meet the SLO"
+    )
     p.add_argument("--request-timeout", type=float, default=15.0, help="s (past it: an error)")
-    p.add_argument("--burstiness", type=float, default=0.25)
-    p.add_argument("--json", required=True)
-    p.add_argument("--logs", default="/tmp")
+    p.add_argument(
+        "--burstiness", type=float, default=0.25, help="bursty shape's gamma factor (1: Poisson)"
+    )
+    p.add_argument("--json", required=True, help="write the report as JSON to PATH")
+    p.add_argument("--logs", default="/tmp", help="folder for the servers' logs")
     args = p.parse_args(argv)
     profile = json.loads(Path(args.profile).read_text())
     tuned = profile["settings"]["max_num_batched_tokens"]
