@@ -64,7 +64,7 @@ async def retrieve_model(request: Request, model_id: str) -> ModelCard:
     """One served model (`model@version` names a version); 404 when it is not served."""
     manager: ModelManager = request.app.state.router
     base, adapter = split_adapter(manager, model_id)
-    if adapter is not None:
+    if adapter is not None and base in manager.model_names():
         card = _card(manager, base)
         return card.model_copy(update={"id": model_id, "parent": base})
     name, version = split_model_id(model_id)
