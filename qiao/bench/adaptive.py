@@ -27,6 +27,7 @@ import httpx
 
 from qiao.bench.common import LengthSpec
 from qiao.bench.serve import ServeConfig, run_serve
+from qiao.profile import cpu_model
 
 _LISTENING = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = tuple(float(r) for r in args.rates.split(","))
     report: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "model": args.model,
         "tuned_max_num_batched_tokens": tuned,
         "args": vars(args),
@@ -159,16 +160,6 @@ def main(argv: list[str] | None = None) -> int:
             # Written after each server, so a run cut short keeps what it measured.
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from qiao.bench.common import WORDS
+from qiao.profile import cpu_model
 
 _LISTENING = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
 
@@ -119,16 +120,6 @@ def summary(results: list[tuple[float, str]], wall: float) -> dict[str, Any]:
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qiao bench cache")
     parser.add_argument("--model", help="checkpoint to serve (default: the built-in demo)")
@@ -155,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "serve_args": serve,
         },
-        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count()},
         "modes": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
