@@ -174,15 +174,48 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
-def weight_bytes_per_decode_step(model: Any) -> int:
-    """Bytes of weights one decode step reads: every parameter and weight buffer once, except
-    the input embedding table, of which a step reads only one row per sequence. The lm_head is
-    read whole, whether it is its own tensor, the tied embedding or a packed / int8 copy. int8
-    layers' bfloat16 copies (`weight_bf16`) serve only batches too large for the int8 kernel."""
-    total = 0
+def weight_bytes_per_decode_step(model: Any, num_seqs: int = 1) -> int:
+    """Bytes of weights one decode step of `num_seqs` sequences reads: every parameter and
+    weight buffer once, except the input embedding table, of which a step reads only one row
+    per sequence, and the routed experts of a mixture-of-experts layer. The lm_head is read
+    whole, whether it is its own tensor, the tied embedding or a packed / int8 copy. int8
+    layers' bfloat16 copies (`weight_bf16`) serve only batches too large for the int8 kernel.
+
+    Experts (`FusedMoE` layers): a step reads only those its tokens route to. The model of
+    routing is uniform and independent: each of the `num_seqs` tokens picks k of the E experts,
+    so an expert is missed by one token with probability 1 - k/E and the expected number hit
+    is E * (1 - (1 - k/E) ** num_seqs), at most E (reached at k = E). Each expert layer counts
+    at that share of its bytes; its router and shared expert are read whole, and the dense
+    MLPs of `mlp_only_layers` / `decoder_sparse_step` are read whole as any dense layer's.
+    (The sync-free form CUDA graphs capture runs every expert; this counts the routed reads.)
+    """
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs: must be >= 1, got {num_seqs}")
+    expert_layers = _expert_layer_prefixes(model)
+    share = _expert_share_read(model, num_seqs) if expert_layers else 1.0
+    dense, routed = 0, 0
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     for name, tensor in tensors:
         if "rotary" in name or "embed_tokens" in name or name.endswith("weight_bf16"):
             continue
-        total += tensor.numel() * tensor.element_size()
-    return total
+        num_bytes = tensor.numel() * tensor.element_size()
+        if name.startswith(expert_layers):
+            routed += num_bytes
+        else:
+            dense += num_bytes
+    return dense + round(routed * share)
+
+
+def _expert_layer_prefixes(model: Any) -> tuple[str, ...]:
+    """E.g. ("model.layers.1.mlp.experts.", ...): where the model's `FusedMoE` layers sit."""
+    from qiao.layers.fused_moe import FusedMoE
+
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, FusedMoE))
+
+
+def _expert_share_read(model: Any, num_seqs: int) -> float:
+    """The expected share of a layer's experts that `num_seqs` tokens route to (the model of
+    `weight_bytes_per_decode_step`): 1 - (1 - k/E) ** num_seqs. E.g. E 60, k 4: 1/15 at one
+    sequence, 0.42 at 8, 0.99 at 64."""
+    num_experts, top_k = model.arch.num_experts, model.arch.num_experts_per_tok
+    return min(1.0, 1.0 - (1.0 - top_k / num_experts) ** num_seqs)
