@@ -272,3 +272,69 @@ def test_invariant_backend_runs_prompt_chunks_through_the_scalar_kernel_too(wind
     assert not ops.attention_vectorized(batch.kv_cache)
     out = batch.run(window, backend="cpu_invariant")
     torch.testing.assert_close(out.double(), batch.expected(window), atol=1e-5, rtol=1e-5)
+
+
+# Widths around the kernels' 16-lane steps (remainders 0, 1, 7, 15) and the Qwen2.5-0.5B MLP's.
+GATE_WIDTHS = [1, 7, 16, 17, 31, 4864]
+
+
+@needs_ops
+@pytest.mark.parametrize("width", GATE_WIDTHS)
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
+def test_silu_and_mul_matches_pytorch(width, lead):
+    from qiao.layers.activation import SiluAndMul
+
+    x = torch.randn(*lead, 2 * width, generator=torch.Generator().manual_seed(width)) * 6
+    edges = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30])  # saturated, zero and tiny gates
+    x[..., : min(width, 5)] = edges[: min(width, 5)]
+    gate, up = x.chunk(2, dim=-1)
+    # float32: the kernel's exp differs from PyTorch's in the last bits only.
+    out = ops.silu_and_mul(x)
+    assert out.shape == (*lead, width)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    # bfloat16: silu rounded to bfloat16, then the product, as PyTorch: the same bits.
+    xb = x.bfloat16()
+    gb, ub = xb.chunk(2, dim=-1)
+    assert torch.equal(ops.silu_and_mul(xb), torch.nn.functional.silu(gb) * ub)
+    assert torch.equal(SiluAndMul()(xb), torch.nn.functional.silu(gb) * ub)
+
+
+@needs_ops
+def test_silu_and_mul_keeps_nan_and_infinities():
+    x = torch.tensor([[float("nan"), float("inf"), float("-inf"), 2.0, 1.0, 1.0, 1.0, 3.0]])
+    expected = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
+    torch.testing.assert_close(ops.silu_and_mul(x), expected, equal_nan=True)
+
+
+@needs_ops
+def test_silu_and_mul_refuses_odd_widths_and_other_dtypes():
+    with pytest.raises(RuntimeError, match="2 \\* d"):
+        ops.silu_and_mul(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_and_mul(torch.randn(2, 4).half())
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 1000, 151936])
+def test_argmax_rows_matches_torch(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(6, width, generator=g).to(dtype)
+    if width > 2:
+        logits[1, width // 2] = logits[1, 1] = logits[1].max() + 1  # a tie: the first one wins
+        logits[2] = float("-inf")  # every token banned: index 0, as torch
+        logits[3, width - 1] = float("inf")
+        logits[4, width // 3] = logits[4, width - 2] = float("nan")  # the first NaN wins
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    # Rows of a wider matrix (a strided view, contiguous within each row).
+    wide = torch.randn(3, width + 5, generator=g).to(dtype)[:, 2 : width + 2]
+    assert torch.equal(ops.argmax_rows(wide), wide.argmax(dim=-1))
+
+
+@needs_ops
+def test_greedy_tokens_take_the_kernel_and_fall_back_elsewhere():
+    from qiao.runner.sampler import greedy_tokens
+
+    logits = torch.randn(4, 300)
+    for t in (logits, logits.bfloat16(), logits.half(), logits.t().contiguous().t()):
+        assert torch.equal(greedy_tokens(t), t.argmax(dim=-1))

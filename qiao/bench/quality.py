@@ -231,7 +231,7 @@ def perplexity(llm: LLM, token_ids: list[int], chunk: int | None = None) -> floa
         )
         hidden.append(runner.model(ids[start:end], positions, metadata))
     hidden = torch.cat(hidden)
-    logprobs = torch.log_softmax(runner.model.compute_logits(hidden[:-1]), dim=-1)
+    logprobs = torch.log_softmax(runner.model.compute_logits(hidden[:-1]).float(), dim=-1)
     nll = -logprobs.gather(1, ids[1:, None]).mean().item()
     return math.exp(nll)
 

@@ -174,11 +174,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.tie_weights()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32, soft-capped where the config says."""
+        """[N, hidden_size] -> [N, vocab_size], soft-capped in float32 where the config says
+        (else in the weights' dtype, as `ParallelLMHead`)."""
         logits = self.lm_head(hidden)
         cap = self.arch.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits
 
 

@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32."""
+        """[N, hidden_size] -> [N, vocab_size] in the weights' dtype (`ParallelLMHead`)."""
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:

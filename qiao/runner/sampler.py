@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qiao.kernels import ops_for
 from qiao.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -74,6 +75,17 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
     max_num_logprobs: int | None  # K = max over rows of params.logprobs; None when none asks
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether a row needs more than the raw logits' argmax or sample: logprobs, a
+        penalty or a ban."""
+        return (
+            self.max_num_logprobs is not None
+            or self.repetition_penalty is not None
+            or self.output_token_counts is not None
+            or self.banned_rows is not None
+        )
 
     @classmethod
     def from_rows(
@@ -174,7 +186,15 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, V]; the input tensor is never modified."""
+        """Sample one token per row of `logits` [B, V] (float32 or the model's dtype); the input
+        tensor is never modified.
+
+        A greedy batch with no logprobs, penalties or bans takes the argmax of the logits as
+        they are: a bfloat16 or float16 value converts to float32 exactly, so the argmax is the
+        same, and the float32 copy of the whole [B, V] matrix is never made. Everything else
+        runs in float32."""
+        if metadata.all_greedy and not metadata.transforms_logits:
+            return SamplerOutput(greedy_tokens(logits), None, None, None)
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -190,7 +210,7 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         assert metadata.temperature is not None
         scaled = logits / metadata.temperature.unsqueeze(1)
         scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
@@ -199,7 +219,24 @@ class Sampler(torch.nn.Module):
         sampled = inverse_cdf_sample(scaled.softmax(dim=-1), row_uniforms(metadata))
         if metadata.all_random:
             return sampled
-        return torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(metadata.is_greedy, greedy_tokens(logits), sampled)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's argmax, the first index of its largest value (a NaN counting as
+    largest), as `logits.argmax(dim=-1)`. On the CPU in float32 or bfloat16 the C++ kernel's one
+    pass per row (`argmax_rows`): 19x PyTorch's in bfloat16, which it reduces through float32
+    element by element (64 x 151936 logits, 2 cores: 0.9 against 17 ms)."""
+    ops = ops_for(logits)
+    if (
+        ops is not None
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.shape[-1] > 0
+        and logits.stride(-1) == 1
+    ):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

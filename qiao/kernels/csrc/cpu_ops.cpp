@@ -2,8 +2,9 @@
 // and fused one-pass RMSNorm, residual-add + RMSNorm and rotary embedding.
 // Each has a plain-PyTorch reference in qiao (the test oracle and the fallback).
 // Compute is float32 whatever the storage dtype (float32, bfloat16, float16).
-// Plus the weight-only int8 matmul for few rows (decode), reading each int8 weight once, and the
-// float32 matmul over a weight packed in 32-feature column blocks (AVX-512).
+// Plus the weight-only int8 matmul for few rows (decode), reading each int8 weight once, the
+// float32 matmul over a weight packed in 32-feature column blocks (AVX-512), the fused SiLU gate
+// (silu(gate) * up) and the greedy sampler's row argmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -586,6 +587,71 @@ inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF)
                  : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
 }
+
+// Masked loads and stores of 16 values as float32 lanes (lanes outside `m` read as 0, are not
+// written). bfloat16 stores round to nearest even and keep NaN a quiet NaN, bit for bit as
+// c10::BFloat16's conversion.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m256i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+// v rounded to bfloat16 and back: what a bfloat16 tensor holds of a float32 result.
+inline __m512 round_bf16_ps(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
+// silu(g) * u over one row [g (d) | u (d)], in float32 lanes. silu(g) = g * sigmoid(g), and
+// sigmoid from e = exp(-|g|) <= 1 (no overflow): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+// In bfloat16 silu(g) is rounded to bfloat16 before the product, as `F.silu(g) * u` rounds.
+template <typename T>
+void silu_and_mul_row_avx512(T* out, const T* x, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = lanes(d - i);
+    const __m512 g = load16(x + i, m), u = load16(x + d + i, m);
+    const __m512 e = exp_nonpositive_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), one);
+    __m512 silu = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) silu = round_bf16_ps(silu);
+    store16(out + i, _mm512_mul_ps(silu, u), m);
+  }
+}
+
+// The index of the first largest value of a row (a NaN counts as largest, as torch.argmax).
+// Lane j keeps the largest value it saw and where (strictly greater replaces, so each lane
+// keeps its first); the row's answer is the smallest index among the lanes holding the max.
+template <typename T>
+int64_t argmax_row_avx512(const T* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i where = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = load16(x + i, m);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    where = _mm512_mask_mov_epi32(where, gt, index);
+    index = _mm512_add_epi32(index, step);
+  }
+  if (nan) {  // rare: the first NaN, by a plain scan
+    for (int64_t i = 0; i < n; ++i) if (std::isnan(to_f(x[i]))) return i;
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at_top, where);
+}
 #endif
 }  // namespace
 
@@ -863,7 +929,70 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch
   return out;
 }
 
+// silu(gate) * up for x [..., 2 * d] laid out [gate | up] -> [..., d] (float32 or bfloat16).
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_and_mul: x must be contiguous [..., 2 * d]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "silu_and_mul: float32 or bfloat16, got ", x.scalar_type());
+  auto sizes = x.sizes().vec();
+  const int64_t d = sizes.back() / 2, rows = d ? x.numel() / (2 * d) : 0;
+  sizes.back() = d;
+  auto out = torch::empty(sizes, x.options());
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(d, 1));
+  auto run = [&](auto* xp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+#ifdef QIAO_AVX512
+        silu_and_mul_row_avx512<T>(op + r * d, xp + r * 2 * d, d);
+#else
+        for (int64_t i = 0; i < d; ++i) {
+          const float g = to_f(xp[r * 2 * d + i]);
+          const float silu = to_f(from_f<T>(g / (1.f + std::exp(-g))));
+          op[r * d + i] = from_f<T>(silu * to_f(xp[r * 2 * d + d + i]));
+        }
+#endif
+      }
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) run(x.data_ptr<float>(), out.data_ptr<float>());
+  else run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// The index of each row's first largest value, int64 [rows], for logits [rows, V] in float32 or
+// bfloat16 (torch.argmax(dim=-1), NaN counting as largest), one pass over each row.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "argmax_rows: logits must be [rows, V > 0] with contiguous rows");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16,
+              "argmax_rows: float32 or bfloat16, got ", logits.scalar_type());
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  auto run = [&](auto* xp) {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+#ifdef QIAO_AVX512
+        op[r] = argmax_row_avx512(xp + r * ld, n);
+#else
+        const auto* x = xp + r * ld;
+        int64_t best = 0;
+        for (int64_t i = 1; i < n && !std::isnan(to_f(x[best])); ++i)
+          if (to_f(x[i]) > to_f(x[best]) || std::isnan(to_f(x[i]))) best = i;
+        op[r] = best;
+#endif
+      }
+    });
+  };
+  if (logits.scalar_type() == torch::kFloat32) run(logits.data_ptr<float>());
+  else run(logits.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], float32 / bfloat16");
+  m.def("argmax_rows", &argmax_rows, "index of each row's first largest value (torch.argmax)");
   m.def("int8_linear", &int8_linear, "x @ (scale * w_int8)^T + bias, for few rows of x");
   m.def("linear_f32_available", &linear_f32_available, "whether linear_f32 is vectorised here");
   m.def("pack_linear_f32", &pack_linear_f32, "float32 weight [N, K] -> linear_f32's packed layout");
