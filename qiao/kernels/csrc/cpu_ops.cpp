@@ -652,6 +652,66 @@ int64_t argmax_row_avx512(const T* x, int64_t n) {
   const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(at_top, where);
 }
+
+// x * rsqrt(mean(x^2) + eps), cast to T, times w: rms_norm_row on 16 lanes (float32 / bfloat16).
+template <typename T>
+void rms_norm_row_avx512(T* out, const T* x, const T* w, int64_t n, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(x + i, lanes(n - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    __m512 v = _mm512_mul_ps(load16(x + i, m), r);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), v), m);
+  }
+}
+
+// residual = T(residual + x), then x = rms_norm(residual): the sum of squares is taken over the
+// rounded sums as they are stored, in the same pass that stores them.
+template <typename T>
+void add_rms_norm_row_avx512(T* x, T* residual, const T* w, int64_t n, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    __m512 v = _mm512_add_ps(load16(residual + i, m), load16(x + i, m));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
+    store16(residual + i, v, m);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    __m512 v = _mm512_mul_ps(load16(residual + i, m), r);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
+    store16(x + i, _mm512_mul_ps(load16(w + i, m), v), m);
+  }
+}
+
+// One head of rotary_ on 16 lanes: v = [x1 | x2] (half each) with cos c, sin s of length 2 * half.
+template <typename T>
+void rotary_head_avx512(T* v, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = lanes(half - i);
+    const __m512 x1 = load16(v + i, m), x2 = load16(v + half + i, m);
+    const __m512 c1 = load16(c + i, m), s1 = load16(s + i, m);
+    const __m512 c2 = load16(c + half + i, m), s2 = load16(s + half + i, m);
+    store16(v + i, _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1)), m);
+    store16(v + half + i, _mm512_fmadd_ps(x2, c2, _mm512_mul_ps(x1, s2)), m);
+  }
+}
+#endif
+
+// Whether a row kernel has its AVX-512 form for storage dtype T.
+template <typename T>
+constexpr bool kVectorRows =
+#ifdef QIAO_AVX512
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
 #endif
 }  // namespace
 
@@ -734,7 +794,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) rms_norm_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+      for (int64_t r = b; r < e; ++r) {
+#ifdef QIAO_AVX512
+        if constexpr (kVectorRows<scalar_t>) {
+          rms_norm_row_avx512(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+          continue;
+        }
+#endif
+        rms_norm_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+      }
     });
   });
   return out;
@@ -750,6 +818,12 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
+#ifdef QIAO_AVX512
+        if constexpr (kVectorRows<scalar_t>) {
+          add_rms_norm_row_avx512(xp + r * n, rp + r * n, wp, n, static_cast<float>(eps));
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < n; ++i) rp[r * n + i] = from_f<scalar_t>(to_f(rp[r * n + i]) + to_f(xp[r * n + i]));
         rms_norm_row(xp + r * n, rp + r * n, wp, n, static_cast<float>(eps));
       }
@@ -774,6 +848,12 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
         const scalar_t* s = sp + t * dim;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* v = xp + t * st + h * sh;
+#ifdef QIAO_AVX512
+          if constexpr (kVectorRows<scalar_t>) {
+            rotary_head_avx512(v, c, s, half);
+            continue;
+          }
+#endif
           for (int64_t i = 0; i < half; ++i) {
             const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
             const float c1 = to_f(c[i]), s1 = to_f(s[i]);
