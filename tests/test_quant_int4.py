@@ -23,6 +23,7 @@ from qiao.errors import ConfigError, ModelLoadError
 from qiao.layers import quant_int4
 from qiao.layers.int4_checkpoint import read_int4_checkpoint_format
 from qiao.layers.linear import LinearBase, MergedLinear, QKVLinear, RowParallelLinear
+from qiao.layers.linear_method import INVARIANT_TILE
 from qiao.layers.quant_int4 import (
     Int4Method,
     Int4Weights,
@@ -118,7 +119,45 @@ def test_int4_dequantize_kernel_matches_unpack(block0, blocks):
     out = int4_ops().int4_dequantize(p.packed, p.scales, p.offsets, 32, 100, 192, block0, blocks)
     expected = dequantize_int4(unpack_int4(p, block0, blocks))
     assert out.shape == (192, 16 * blocks)  # transposed: W^T, the right operand of x @ W^T
-    torch.testing.assert_close(out.t(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out.t(), expected)  # q * s, then - o: the reference's two roundings
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k", "group"), [(100, 192, 32), (48, 256, 128), (33, 64, 64)])
+def test_int4_dequantize_bf16_is_the_reference_rounded_once(n, k, group):
+    """Bit for bit torch's bfloat16 of the float32 dequantized value, for every block range,
+    also where the hardware conversion would differ: denormal results (flushed to zero by
+    vcvtne2ps2bf16) and NaN scales. Padding features (past N) are zeros."""
+    w = _random_int4(n, k, group, seed=n)
+    w.scales[3, 0], w.offsets[3, 0] = 1e-40, 0.0  # denormal products
+    w.offsets[5, 1 % w.offsets.shape[1]] = 5e-39  # q = 0 gives a denormal -offset
+    w.scales[9, 0] = float("nan")
+    w.codes[1, :8] = 0  # exact zeros (and -0.0 where offset is 0)
+    p = pack_int4(w)
+    total = p.packed.shape[0]
+    for block0, blocks in [(0, total), (1, total - 1), (total - 1, 1)]:
+        out = torch.full((k, 16 * blocks), 7.0, dtype=torch.bfloat16)
+        int4_ops().int4_dequantize_bf16(
+            p.packed, p.scales, p.offsets, group, n, k, block0, blocks, out
+        )
+        expected = dequantize_int4(unpack_int4(p, block0, blocks)).to(torch.bfloat16)
+        assert torch.equal(_bits(out.t()), _bits(expected))
+
+
+@needs_kernels
+def test_int4_dequantize_bf16_checks_its_output():
+    p = pack_int4(_random_int4(32, 64, 32))
+    for bad in (
+        torch.empty(64, 32),  # float32
+        torch.empty(64, 16, dtype=torch.bfloat16),  # one block's columns for two
+        torch.empty(32, 64, dtype=torch.bfloat16).t(),  # not contiguous
+    ):
+        with pytest.raises(RuntimeError, match="out must be"):
+            int4_ops().int4_dequantize_bf16(p.packed, p.scales, p.offsets, 32, 32, 64, 0, 2, bad)
 
 
 def _prepare(layer: LinearBase) -> None:
@@ -136,9 +175,11 @@ def _int4_layer(n: int, k: int, bias: bool) -> LinearBase:
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 40])
 @pytest.mark.parametrize(("n", "k"), [(72, 256), (50, 172)])
-def test_int4_layer_matches_its_references(rows, n, k):
-    """Few rows: the kernel (activations rounded per group); more: tiles of the dequantized
-    weight, exactly F.linear. K = 172 (stories260K's MLP) is padded to groups of 32."""
+def test_int4_layer_matches_its_references(monkeypatch, rows, n, k):
+    """Few rows: the kernel (activations rounded per group); more, on float32 tiles: the
+    dequantized weight, exactly F.linear. K = 172 (stories260K's MLP) is padded to groups of
+    32. (bfloat16 tiles: test_int4_prefill_on_bf16_tiles_matches_its_references.)"""
+    monkeypatch.setattr(quant_int4, "PREFILL_BF16", False)
     layer = _int4_layer(n, k, bias=True)
     weight = layer.weight.detach().clone()
     _prepare(layer)
@@ -158,6 +199,64 @@ def test_int4_layer_matches_its_references(rows, n, k):
     assert (out - F.linear(x, weight, layer.bias)).abs().max() < 0.1 * out.abs().max()
 
 
+needs_bf16_tiles = pytest.mark.skipif(
+    int4_ops() is None or not quant_int4.bf16_tiles(),
+    reason="bfloat16 tiles need the int4 kernels and a CPU that multiplies bfloat16",
+)
+
+
+def _bf16_sums(x: torch.Tensor, w: Int4Weights) -> torch.Tensor:
+    """Rows and weights rounded to bfloat16, multiplied exactly (float64)."""
+    weight = dequantize_int4(w).to(torch.bfloat16).double()
+    return F.linear(x.to(torch.bfloat16).double(), weight)
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("rows", [9, 40, 100])
+@pytest.mark.parametrize(("n", "k", "bias"), [(72, 256, True), (50, 172, False), (300, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_prefill_on_bf16_tiles_matches_its_references(rows, n, k, bias, dtype):
+    """Past the kernel's rows: bfloat16 tiles, bfloat16 rows, float32 sums rounded to bfloat16
+    (oneDNN's output), then the bias in float32. Against the same roundings computed exactly:
+    within one bfloat16 step of each sum (and of the result, for bfloat16 outputs) plus the
+    float32 sums' error; against the float32 dequantized linear within bfloat16's rounding of
+    its inputs."""
+    torch.manual_seed(rows + n)
+    layer = _int4_layer(n, k, bias)
+    w = quantize_int4(F.pad(layer.weight.detach(), (0, -k % 32)))
+    _prepare(layer)
+    x = F.pad(torch.randn(rows, k), (0, -k % 32)).to(dtype)
+    out = layer(x[:, :k])
+    assert out.dtype == dtype and out.shape == (rows, n)
+    b = layer.bias.detach().double() if bias else torch.zeros(n, dtype=torch.float64)
+    sums = _bf16_sums(x.float(), w)
+    expected = sums + b
+    tolerance = 2**-7 * (sums.abs() + expected.abs()) + 1e-5 * expected.abs().max()
+    assert ((out.double() - expected).abs() <= tolerance).all()
+    exact = F.linear(x.double(), dequantize_int4(w).double()) + b
+    error = (out.double() - exact).abs().max() / exact.abs().max()
+    assert error < 2e-2, f"off the float32 linear by {error:.2%} of its range"
+
+
+@needs_bf16_tiles
+def test_int4_bf16_tiles_split_wide_weights_and_keep_batch_invariance(monkeypatch):
+    """Tiles of a few blocks (the last one short) give the one-tile result; with batch
+    invariance (`tile`) a row's result does not depend on the rows beside it."""
+    layer = _int4_layer(200, 128, bias=True)
+    _prepare(layer)
+    x = torch.randn(40, 128)
+    whole = layer(x)
+    monkeypatch.setattr(quant_int4, "BF16_TILE_ELEMENTS", 128 * 16 * 4)  # 4 blocks a tile
+    torch.testing.assert_close(layer(x), whole, rtol=0, atol=0)
+
+    invariant = _int4_layer(200, 128, bias=True)
+    invariant.method = Int4Method(tile=INVARIANT_TILE)
+    invariant.method.prepare(invariant)
+    many = invariant(x)
+    for rows in (1, 3, 33):
+        assert torch.equal(invariant(x[:rows]), many[:rows])
+
+
 def test_int4_layer_without_kernels_is_the_dequantized_linear(monkeypatch):
     monkeypatch.setenv("QIAO_DISABLE_CPU_KERNELS", "1")
     quant_int4.int4_ops.cache_clear()
@@ -175,7 +274,8 @@ def test_int4_layer_without_kernels_is_the_dequantized_linear(monkeypatch):
         quant_int4.int4_ops.cache_clear()
 
 
-def test_attached_weights_are_used_as_they_are_and_fused_parts_stack():
+def test_attached_weights_are_used_as_they_are_and_fused_parts_stack(monkeypatch):
+    monkeypatch.setattr(quant_int4, "PREFILL_BF16", False)  # float32 tiles: exactly F.linear
     qkv = QKVLinear(64, 16, num_heads=2, num_kv_heads=1, bias=False)
     parts = {"q": _random_int4(32, 64, 32, 1), "k": _random_int4(16, 64, 32, 2)}
     parts["v"] = _random_int4(16, 64, 32, 3)
@@ -326,28 +426,37 @@ def test_awq_and_gptq_checkpoints_match_transformers(
     tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
+    if quant_int4.bf16_tiles() and int4_ops() is not None:
+        # 20 rows on bfloat16 tiles: the weights and rows rounded to bfloat16.
+        prefill = PagedRunner(tmp_path / method, {0: tokens}).step({0: 20})[0]
+        error = (prefill - expected[:20]).abs().max() / expected[:20].abs().max()
+        assert error < 2e-2, f"bfloat16 prefill logits off by {error:.3%} of their range"
+    monkeypatch.setattr(quant_int4, "PREFILL_BF16", False)
     runner = PagedRunner(tmp_path / method, {0: tokens})
     assert runner.model.model.layers[0].mlp.down_proj.method.name == "int4"
     assert runner.model.lm_head.method.name != "int4"  # the float head stays float
-    prefill = runner.step({0: 20})[0]  # 20 rows: the dequantized tiles, exact up to float32
+    prefill = runner.step({0: 20})[0]  # 20 rows on float32 tiles: exact up to float32
     torch.testing.assert_close(prefill, expected[:20], rtol=1e-4, atol=1e-4)
     for i in range(20, 24):  # 1 row: the kernel, activations rounded per group to 8 bits
         logits = runner.step({0: 1})[0][0]
         error = (logits - expected[i]).abs().max() / expected[i].abs().max()
         assert error < 0.05, f"decode logits off by {error:.3%} of their range"
 
-    # Greedy tokens through the exact path (every step on the dequantized tiles): the kernel's
-    # activation rounding flips near-ties of this random model's flat distributions (margins
-    # of 0.02 in logprob), checked above by its logits instead.
+    # Greedy tokens through the dequantized tiles only (every step): float32 tiles, exact, and
+    # bfloat16 tiles where this CPU has them (they matched here too). The kernel's activation
+    # rounding flips near-ties of this random model's flat distributions (margins of 0.02 in
+    # logprob), checked above by its logits instead.
     monkeypatch.setattr(quant_int4, "INT4_KERNEL_MAX_ROWS", 0)
-    llm = LLM(str(tmp_path / method), profile=None, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    got = llm.generate([{"prompt_token_ids": tokens[:8]}], params)[0].outputs[0].token_ids
     with torch.no_grad():
         reference = hf.generate(
             torch.tensor([tokens[:8]]), max_new_tokens=12, do_sample=False, min_new_tokens=12
         )[0, 8:].tolist()
-    assert list(got) == reference
+    for bf16 in [False] + ([True] if quant_int4.bf16_tiles() else []):
+        monkeypatch.setattr(quant_int4, "PREFILL_BF16", bf16)
+        llm = LLM(str(tmp_path / method), profile=None, dtype="float32")
+        got = llm.generate([{"prompt_token_ids": tokens[:8]}], params)[0].outputs[0].token_ids
+        assert list(got) == reference, f"greedy tokens on {'bfloat16' if bf16 else 'float32'}"
 
 
 def test_quantization_config_errors(tiny_checkpoint, tmp_path):

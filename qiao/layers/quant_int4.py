@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from qiao import envs
 from qiao.distributed.parallel_state import tp_rank, tp_size
 from qiao.errors import ModelLoadError
+from qiao.hal.platform import cpu_has_native_bfloat16
 from qiao.kernels import load_or_build
 from qiao.layers.linear_method import LinearMethod, _replace_weight, choose_method
 
@@ -254,11 +255,27 @@ INT4_KERNEL_MAX_ROWS = 8
 # Output features x input features dequantized per tile of a larger matmul: 1 MiB of float32,
 # so a tile is still in cache when its matmul reads it.
 _TILE_ELEMENTS = 1 << 18
+# Prefill on bfloat16 tiles (`bf16_tiles`); a switch for tests and benchmarks: False keeps the
+# float32 tiles everywhere.
+PREFILL_BF16 = True
+# Elements per bfloat16 tile: 2 MiB. On the Qwen2.5-0.5B shapes (2-core AMD EPYC) 2^20 and
+# 2^21 were the fastest at 64 and 512 rows, 2^18 up to 1.3x slower (oneDNN's per-call cost on
+# narrow tiles), 2^22 up to 1.2x (docs/results/int4_prefill_bf16.json, "tiles").
+BF16_TILE_ELEMENTS = 1 << 20
 _BLOCK = 16  # output features per packed block (the kernel's lanes)
 _CHUNK = 8  # input features per 4 bytes of one output feature
 
 _SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "int4_ops.cpp"
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+# -ffp-contract=off: the dequantizations round q * scale and then - offset, as the reference
+# does; a product fused into the difference would round once and differ in the last bit.
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+]
 
 
 @functools.cache
@@ -348,8 +365,11 @@ class Int4Method(LinearMethod):
 
     Few rows (decode) run `int4_linear` (C++, AVX-512 VNNI), which reads each weight byte once:
     half int8's bytes, an eighth of float32's. More rows (prefill) dequantize the weight in
-    tiles of ~1 MiB of float32 (`int4_dequantize`) and multiply each in the input's dtype, so
-    the whole float matrix never exists. Without the kernels both steps run in PyTorch."""
+    tiles, so the whole float matrix never exists: on a CPU that multiplies bfloat16 in
+    hardware, tiles of 2 MiB of bfloat16 (`int4_dequantize_bf16`, each weight rounded once)
+    multiplied by the rows in bfloat16 with float32 sums, as int8's prefill; elsewhere tiles of
+    1 MiB of float32 (`int4_dequantize`) multiplied in the input's dtype. Without the kernels
+    both steps run in PyTorch (float32 tiles)."""
 
     name = "int4"
 
@@ -381,7 +401,11 @@ class Int4Method(LinearMethod):
         _replace_weight(layer, packed.packed)
 
     def bucketed_from(self, layer: LinearBase, dtype: torch.dtype) -> int | None:
-        if self.tile is None and dtype == torch.bfloat16 and layer.weight.device.type == "cpu":
+        # Past the kernel's rows, a bfloat16 matmul (oneDNN) on the CPU: bfloat16 tiles, or
+        # float32 tiles by bfloat16 rows.
+        if self.tile is not None or layer.weight.device.type != "cpu":
+            return None
+        if dtype == torch.bfloat16 or (int4_ops() is not None and bf16_tiles()):
             return INT4_KERNEL_MAX_ROWS + 1
         return None
 
@@ -409,33 +433,45 @@ class Int4Method(LinearMethod):
     def _dequantized_matmul(
         self, layer: LinearBase, rows: torch.Tensor, ops: ModuleType | None
     ) -> torch.Tensor:
-        """rows [M, K] x the weight, one tile of output features at a time: each tile is
-        dequantized to float32 W^T [K, n] (the C++ kernel, else `unpack_int4`) and multiplied
-        in rows' dtype, so the whole float matrix never exists."""
+        """rows [M, K] x the weight, one tile of output features at a time, so the whole float
+        matrix never exists: each tile is dequantized to W^T [K, n] and multiplied by ATen.
+        With the kernels on a CPU that multiplies bfloat16 in hardware (`bf16_tiles`) the tile
+        is bfloat16 (each weight rounded once from its float32 value) and rows are rounded to
+        bfloat16 (int8's prefill numerics, float32 sums); else it is float32 (the C++ kernel,
+        else `unpack_int4`) multiplied in rows' dtype."""
         n, k = layer.output_size, layer.int4_input_size
         p = PackedInt4(
             layer.weight, layer.weight_scales, layer.weight_offsets, layer.int4_group_size, n
         )
+        bf16 = ops is not None and bf16_tiles()
+        dtype = torch.bfloat16 if bf16 else rows.dtype
+        rows = rows.to(dtype)
         blocks = p.packed.shape[0]
-        step = max(4, _TILE_ELEMENTS // (k * _BLOCK))
-        out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
+        step = max(4, (BF16_TILE_ELEMENTS if bf16 else _TILE_ELEMENTS) // (k * _BLOCK))
+        buffer = torch.empty(k * _BLOCK * min(step, blocks), dtype=dtype) if bf16 else None
+        out = torch.empty(rows.shape[0], n, dtype=dtype, device=rows.device)
         for b in range(0, blocks, step):
             size = min(step, blocks - b)
-            if ops is not None:
-                tile = ops.int4_dequantize(
-                    p.packed, p.scales, p.offsets, p.group_size, n, k, b, size
-                )
+            args = (p.packed, p.scales, p.offsets, p.group_size, n, k, b, size)
+            if buffer is not None:  # one buffer for every tile: its pages are touched once
+                tile = buffer[: k * _BLOCK * size].view(k, _BLOCK * size)
+                ops.int4_dequantize_bf16(*args, tile)
+            elif ops is not None:
+                tile = ops.int4_dequantize(*args)
             else:
                 tile = dequantize_int4(unpack_int4(p, b, size)).t()
             n0, n1 = b * _BLOCK, min(n, (b + size) * _BLOCK)
-            tile = tile[:, : n1 - n0].to(rows.dtype)
-            if layer.bias is None:
-                out[:, n0:n1] = self.rows_matmul(lambda r, t=tile: r @ t, rows)
-            else:
-                bias = layer.bias[n0:n1].to(rows.dtype)
-                matmul = lambda r, t=tile, c=bias: torch.addmm(c, r, t)  # noqa: E731
-                out[:, n0:n1] = self.rows_matmul(matmul, rows)
+            tile = tile[:, : n1 - n0].to(dtype)
+            out[:, n0:n1] = self.rows_matmul(lambda r, t=tile: r @ t, rows)
+        if layer.bias is not None:
+            out = out.float().add_(layer.bias.float()) if bf16 else out.add_(layer.bias)
         return out
+
+
+def bf16_tiles() -> bool:
+    """Whether prefill multiplies bfloat16 tiles (`PREFILL_BF16` and a CPU that multiplies
+    bfloat16 in hardware: AMX or AVX-512 BF16, about 2x its float32 rate)."""
+    return PREFILL_BF16 and cpu_has_native_bfloat16()
 
 
 _EMPTY = torch.empty(0)

@@ -1,5 +1,6 @@
 // qiao int4 kernels: the weight-only group-wise 4-bit matmul for few rows (decode), and the
-// tile-wise dequantization that larger matmuls (prefill) multiply by.
+// tile-wise dequantization that larger matmuls (prefill) multiply by, to float32 or to
+// bfloat16 (rounded once, as torch rounds; the tile a CPU with bfloat16 hardware multiplies).
 // Plain-PyTorch references in qiao/layers/quant_int4.py (the test oracle and the fallback).
 //
 // Packed layout (pack_int4 in quant_int4.py): output features in blocks of 16, input features in
@@ -212,8 +213,105 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
   return out;
 }
 
+#ifdef QIAO_INT4_VNNI
+namespace {
+
+// float32 -> bfloat16 bits in the low half of each lane, rounded to nearest even as torch's
+// conversion (denormals kept, NaN -> 0xFFFF): bits + 0x7FFF + (bit 16), shifted down.
+inline __m256i bf16_exact(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(
+      _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), nan, _mm512_set1_epi32(0xFFFF)));
+}
+
+// Lanes where the hardware conversion (vcvtne2ps2bf16: nearest even, but denormals flushed to
+// zero and its own NaN) can differ from torch's: denormals and NaNs.
+inline __mmask16 not_hardware_exact(__m512 v) {
+  return _mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80);  // quiet NaN, denormal, signalling NaN
+}
+
+#ifdef __AVX512BF16__
+constexpr bool kHardwareBf16 = true;
+#else
+constexpr bool kHardwareBf16 = false;
+#endif
+
+// The 8 input features of one 64-byte chunk for 16 output features, as bfloat16 rows of the
+// transposed tile (row j at out + j * ld).
+inline void dequantize_chunk_bf16(const uint8_t* chunk, __m512 s, __m512 o, uint16_t* out,
+                                  int64_t ld) {
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const __m512i v = _mm512_loadu_si512(chunk);
+  __m512 w[kChunk];
+  __mmask16 odd_lanes = 0;
+  for (int j = 0; j < kChunk; ++j) {  // input feature j: nibble j % 4 of byte j / 4
+    const int shift = 8 * (j % 4) + 4 * (j / 4);
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), low4);
+    w[j] = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), o);
+    odd_lanes |= not_hardware_exact(w[j]);
+  }
+#ifdef __AVX512BF16__
+  if (kHardwareBf16 && !odd_lanes) {
+    for (int j = 0; j < kChunk; j += 2) {
+      const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[j + 1], w[j]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * ld),
+                          _mm512_castsi512_si256(pair));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (j + 1) * ld),
+                          _mm512_extracti64x4_epi64(pair, 1));
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < kChunk; ++j)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * ld), bf16_exact(w[j]));
+}
+
+}  // namespace
+#endif
+
+// int4_dequantize's tile in bfloat16, written into `out` (bfloat16 [K, 16 * blocks], a buffer
+// the caller reuses: a fresh one per tile costs page faults that outweigh the work): each weight
+// q * scale - offset computed in float32 (a product, then a difference: the reference's two
+// roundings, never fused) and rounded once to bfloat16, bit for bit torch's
+// dequantize_int4(...).to(torch.bfloat16).
+void int4_dequantize_bf16(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t group, int64_t N, int64_t K, int64_t block0, int64_t blocks,
+                          torch::Tensor out) {
+  TORCH_CHECK(int4_linear_available(), "int4_dequantize_bf16: this build has no AVX-512 VNNI");
+  check_packed(packed, scales, offsets, K, group, N);
+  TORCH_CHECK(block0 >= 0 && blocks >= 0 && 16 * (block0 + blocks) < N + kBlock,
+              "int4_dequantize_bf16: blocks out of range");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == K && out.size(1) == blocks * kBlock,
+              "int4_dequantize_bf16: out must be contiguous [K, 16 * blocks] bfloat16");
+#ifdef QIAO_INT4_VNNI
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* opp = offsets.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t G = K / group, chunks = K / kChunk, ld = blocks * kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = block0 + i;
+      const uint8_t* wb = wp + b * chunks * kChunkBytes;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t g = c * kChunk / group;
+        dequantize_chunk_bf16(wb + c * kChunkBytes, _mm512_loadu_ps(sp + (b * G + g) * kBlock),
+                              _mm512_loadu_ps(opp + (b * G + g) * kBlock),
+                              op + c * kChunk * ld + i * kBlock, ld);
+      }
+    }
+  });
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_available", &int4_linear_available, "whether int4_linear is compiled here");
   m.def("int4_linear", &int4_linear, "x @ W^T + bias over a pack_int4 weight, for few rows of x");
   m.def("int4_dequantize", &int4_dequantize, "W^T [K, 16 * blocks] float32 of a pack_int4 weight");
+  m.def("int4_dequantize_bf16", &int4_dequantize_bf16,
+        "W^T [K, 16 * blocks] bfloat16 of a pack_int4 weight into out, each value rounded once");
 }
