@@ -44,6 +44,7 @@ from torch import nn
 
 from qiao.distributed.parallel_state import all_reduce, divide, tp_rank
 from qiao.errors import ConfigError, ModelLoadError
+from qiao.layers.activation import SiluAndMul
 from qiao.layers.linear import LinearBase, copy_checked
 from qiao.layers.linear_method import DenseMethod, choose_method
 
@@ -91,11 +92,15 @@ def fused_moe(
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gate, up = gate_up(rows[start : start + count], expert).chunk(2, dim=-1)
-            out[start : start + count] = down(F.silu(gate) * up, expert)
+            out[start : start + count] = down(
+                silu_and_mul(gate_up(rows[start : start + count], expert)), expert
+            )
         start += count
     out.mul_(topk_weights.flatten()[order, None].to(out.dtype))
     return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+
+silu_and_mul = SiluAndMul()  # one pass over each expert's [n, 2 I] (the C++ kernel on the CPU)
 
 
 def fused_moe_dense(
