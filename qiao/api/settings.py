@@ -73,6 +73,13 @@ class ServeSettings(_EngineFields):
         "the replica their first this-many tokens hash to (its prefix cache), unless it holds 8 "
         "more requests than the least loaded; 0: least loaded only",
     )
+    embedding_precision: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description="precision of the built-in embedding model: fp32; bf16 (bfloat16 weights "
+        "and matmuls); int8 (W8A8 linear layers: int8 weights and per-token int8 activations, "
+        "the rest float32; CPU only). A model repository's encoders: precision_mode in "
+        "config.yaml",
+    )
     embedding_target_p99_ms: float | None = Field(
         None,
         gt=0,

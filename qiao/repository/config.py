@@ -5,8 +5,10 @@ error becomes a `ConfigError` naming the file and the dotted key, e.g.
 `models/embed/config.yaml: dynamic_batching.preferred_batch_size.0: Input should be >= 1`.
 
     backend: llm | embedding | onnx                      (required)
-    precision_mode: FP32 | FP16 | BF16 | AUTO            (default FP32; any case; AUTO = the
-                                                          checkpoint's own dtype, as `--dtype auto`)
+    precision_mode: FP32 | FP16 | BF16 | INT8 | AUTO     (default FP32; any case; AUTO = the
+                                                          checkpoint's own dtype, as `--dtype auto`;
+                                                          INT8: backend embedding only, W8A8
+                                                          linear layers on the CPU)
     max_batch_size: 64                                   (encoders; >= 1)
     max_sequence_length: 256                             (encoders; optional cap on tokens)
     dynamic_batching:                                    (encoders; absent = no delay, no
@@ -304,7 +306,7 @@ class ModelConfigFile(_Section):
     """One model's config, validated; see the module docstring for the keys."""
 
     backend: Literal["llm", "embedding", "onnx"]
-    precision_mode: Literal["FP32", "FP16", "BF16", "AUTO"] = "FP32"
+    precision_mode: Literal["FP32", "FP16", "BF16", "INT8", "AUTO"] = "FP32"
     max_batch_size: int = Field(64, ge=1)
     max_sequence_length: int | None = Field(None, ge=1)
     dynamic_batching: DynamicBatching | None = None
@@ -366,6 +368,8 @@ class ModelConfigFile(_Section):
             problems += self._engine_problems()
         elif self.llm is not None:
             problems.append(f"llm: only for backend llm, not {self.backend}")
+        if self.precision_mode == "INT8" and self.backend != "embedding":
+            problems.append(_INT8_ONLY_EMBEDDING[self.backend])
         if self.dynamic_batching is not None:
             too_big = [
                 s for s in self.dynamic_batching.preferred_batch_size if s > self.max_batch_size
@@ -407,8 +411,9 @@ class ModelConfigFile(_Section):
 
     @property
     def dtype_name(self) -> str:
-        """precision_mode as a dtype name: "float32", "float16", "bfloat16" (or "auto")."""
-        return PRECISION_DTYPES[self.precision_mode]
+        """precision_mode as a dtype name: "float32", "float16", "bfloat16" (or "auto"). INT8
+        (an encoder's W8A8 linear layers) computes the rest in float32."""
+        return PRECISION_DTYPES.get(self.precision_mode, "float32")
 
     def triton_version_policy(self) -> dict[str, Any]:
         """`version_policy` as Triton's model configuration writes it (versions as integers)."""
@@ -454,6 +459,15 @@ class ModelConfigFile(_Section):
         if kwargs["kv_cache_memory"] is None and self.hardware.workspace_size is not None:
             kwargs["kv_cache_memory"] = float(self.hardware.workspace_size)
         return {**kwargs, "dtype": self.dtype_name, "device": self.hardware.device_spec}
+
+
+# Why precision_mode INT8 (W8A8 encoder linears) is refused for a backend, and what to use.
+_INT8_ONLY_EMBEDDING = {
+    "llm": "precision_mode: INT8 is for backend embedding; an llm's int8 weights are "
+    "llm.quantization (int8 or w8a8) with precision_mode FP32, BF16 or AUTO",
+    "onnx": "precision_mode: INT8 is for backend embedding; the onnx backend runs the exported "
+    "FP32 graph",
+}
 
 
 # Settings whose None the engine takes as a value (no limit, the device's default, ...).

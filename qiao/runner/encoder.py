@@ -12,7 +12,9 @@ exporter writes and `OnnxEncoder` reads.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,12 +37,25 @@ from qiao.models.bert import (
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-# Repository `precision_mode` -> torch dtype of the PyTorch backend.
-PRECISIONS: dict[str, torch.dtype] = {
-    "FP32": torch.float32,
-    "FP16": torch.float16,
-    "BF16": torch.bfloat16,
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How the PyTorch backend runs at one repository `precision_mode`."""
+
+    dtype: torch.dtype  # weights and activations (attention, GELU, LayerNorm) outside linears
+    quantization: str | None = None  # the linear layers' method (`choose_method`), else dtype
+
+
+# Repository `precision_mode` -> the PyTorch backend's precision. INT8: every BERT linear as
+# W8A8 (per-channel int8 weights, per-token int8 activations, exact int32 sums; qiao's
+# quant_w8a8), the rest in float32. Pooling and normalisation are float32 in all of them.
+PRECISIONS: dict[str, Precision] = {
+    "FP32": Precision(torch.float32),
+    "FP16": Precision(torch.float16),
+    "BF16": Precision(torch.bfloat16),
+    "INT8": Precision(torch.float32, "w8a8"),
 }
+QUANTIZATIONS = ("w8a8",)
 BACKENDS = ("embedding", "onnx")
 TOKENIZER_FILE = "tokenizer.json"
 ONNX_MODEL_FILE = "model.onnx"
@@ -145,20 +160,18 @@ class _TokenizingEncoder:
 
     def _padded_batch(self, token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask), int64 [rows, longest row], after checking every row."""
-        rows = self._check_rows(token_ids)
-        lengths = np.fromiter((row.size for row in rows), dtype=np.int64, count=len(rows))
-        flat = np.concatenate(rows).astype(np.int64, copy=False)
+        return pad_rows(self._checked_rows(token_ids))
+
+    def _checked_rows(self, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The rows as int64 arrays, after checking their lengths and ids."""
+        rows = [row.astype(np.int64, copy=False) for row in self._check_rows(token_ids)]
+        flat = np.concatenate(rows)
         if flat.min() < 0 or flat.max() >= self.vocab_size:
             bad = int(flat[(flat < 0) | (flat >= self.vocab_size)][0])
             raise ConfigError(
                 f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
-        # E.g. lengths [3, 1] -> mask [[1, 1, 1], [1, 0, 0]]; the flat ids fill the set cells
-        # in row-major order, which is their order in `flat`.
-        mask = np.arange(lengths.max()) < lengths[:, None]
-        input_ids = np.zeros(mask.shape, dtype=np.int64)
-        input_ids[mask] = flat
-        return input_ids, mask.astype(np.int64)
+        return rows
 
     def _check_rows(self, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         if len(token_ids) == 0:
@@ -178,10 +191,20 @@ class _TokenizingEncoder:
 
 
 class TorchEncoder(_TokenizingEncoder):
-    """The BERT encoder of a Hugging Face checkpoint directory, run in PyTorch."""
+    """The BERT encoder of a Hugging Face checkpoint directory, run in PyTorch: weights and
+    activations in `dtype`, the linear layers in it or as `quantization` ("w8a8"), pooling and
+    normalisation in float32. Warmed at load (one batch run), so that the first request does
+    not pay first-call costs.
+
+    A batch runs as groups of rows of similar length (`length_groups`), each padded to its own
+    longest row only, and unmasked where its rows are all one length."""
 
     def __init__(
-        self, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+        self,
+        path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        quantization: str | None = None,
     ) -> None:
         path = Path(path)
         config = load_bert_config(path)
@@ -190,45 +213,122 @@ class TorchEncoder(_TokenizingEncoder):
         super().__init__(path, max_length, config.vocab_size, config.hidden_size)
         self.dtype = _torch_dtype(dtype)
         self.device = _torch_device(device)
+        self.quantization = _quantization(quantization, self.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.model = load_sentence_encoder(path, dtype=self.dtype, device=self.device)
-        prepack_linears(self.model)
+        prepack_linears(self.model, self.quantization)
+        self.warm()
 
     def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        input_ids, attention_mask = self._padded_batch(token_ids)
+        rows = self._checked_rows(token_ids)
+        lengths = np.fromiter((row.size for row in rows), dtype=np.int64, count=len(rows))
+        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        for group in length_groups(lengths):
+            out[group] = self._embed_padded([rows[i] for i in group])
+        return out
+
+    def warm(self) -> None:
+        """Run a short batch and a single row through the model (thread pool start, oneDNN
+        primitives, first-touch memory) before the first request."""
+        self.embed([[0] * min(16, self.max_length)] * 8)
+        self.embed([[0] * min(8, self.max_length)])
+
+    def _embed_padded(self, rows: list[np.ndarray]) -> np.ndarray:
+        input_ids, attention_mask = pad_rows(rows)
+        ids = torch.from_numpy(input_ids).to(self.device)
+        # Rows of one length need no mask: attention then runs unmasked (and faster).
+        is_padded = len({row.size for row in rows}) > 1
+        mask = torch.from_numpy(attention_mask).to(self.device) if is_padded else None
         with torch.inference_mode():
-            out = self.model(
-                torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(attention_mask).to(self.device),
-            )
-        return out.cpu().numpy()
+            return self.model(ids, mask).cpu().numpy()
+
+
+def pad_rows(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """int64 rows -> (input_ids, attention_mask), int64 [rows, longest row], zeros past each
+    row's end."""
+    lengths = np.fromiter((row.size for row in rows), dtype=np.int64, count=len(rows))
+    # E.g. lengths [3, 1] -> mask [[1, 1, 1], [1, 0, 0]]; the flat ids fill the set cells
+    # in row-major order, which is their order in the concatenation.
+    mask = np.arange(lengths.max()) < lengths[:, None]
+    input_ids = np.zeros(mask.shape, dtype=np.int64)
+    input_ids[mask] = np.concatenate(rows)
+    return input_ids, mask.astype(np.int64)
+
+
+def length_groups(lengths: np.ndarray) -> list[np.ndarray]:
+    """Row indices grouped by length, longest first: each group holds the rows at least half
+    as long as its longest (ties in input order), so padding a group to its longest row at
+    most doubles a row's tokens, where one batch padded to the longest of all could multiply
+    a short row's many times.
+
+    E.g. lengths [10, 40, 12, 30, 25, 40] -> [[1, 5, 3, 4], [2, 0]]."""
+    order = np.argsort(-lengths, kind="stable")
+    # Descending lengths, negated to ascending for searchsorted.
+    negated = -lengths[order]
+    groups = []
+    start = 0
+    while start < len(order):
+        # The first row shorter than half the group's longest (E.g. longest 40: length < 20).
+        end = int(np.searchsorted(negated, -((lengths[order[start]] + 1) // 2), side="right"))
+        groups.append(order[start:end])
+        start = end
+    return groups
 
 
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose weight is stored and multiplied the way `choose_method` picks for
-    this device (on the CPU: qiao's packed float32 kernel, or oneDNN, weight prepacked once), as
-    qiao's LLM layers do. It carries what a method reads of `LinearBase`."""
+    this device and `quantization` (on the CPU: qiao's packed float32 kernel, oneDNN, or W8A8
+    int8 matmuls, the weight packed or quantized once), as qiao's LLM layers do. It carries
+    what a method reads of `LinearBase`."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, quantization: str | None = None) -> None:
         super().__init__()
         self.input_size = linear.in_features
         self.output_size = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         # Encoder batches are a few to a few hundred rows of tokens.
-        self.method = choose_method(self.weight, quantization=None, batch_hint=64)
+        self.method = choose_method(self.weight, quantization=quantization, batch_hint=64)
         self.method.prepare(self)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)  # type: ignore[arg-type]
 
 
-def prepack_linears(model: nn.Module) -> None:
+def prepack_linears(model: nn.Module, quantization: str | None = None) -> None:
     """Swap every `nn.Linear` of `model` for a `PackedLinear` (for inference only: the ONNX
     export traces the plain model)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, quantization))
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit
+_TRIM_THRESHOLD = 1 << 30
+
+
+def retain_freed_memory() -> None:
+    """Make this process's C heap keep the memory it frees (glibc only; elsewhere a no-op).
+
+    By default glibc serves blocks over ~128 KiB to 32 MiB from fresh mappings, or returns
+    the heap's free top to the OS, so every encoder batch faulted its activations in again:
+    ~14,000 page faults per batch of 64 MiniLM rows, and ~25 % of its time (165 -> 130 ms,
+    docs/benchmarks.md). With blocks up to 32 MiB from the heap and 1 GiB of free heap kept,
+    the memory of one batch is reused by the next. Process-wide: in an encoder process that
+    is the encoder alone."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
 class OnnxEncoder(_TokenizingEncoder):
@@ -281,15 +381,21 @@ def load_encoder(
     """The encoder of a repository version folder.
 
     backend "embedding": a Hugging Face checkpoint run in PyTorch at `precision` (FP32, FP16,
-    BF16) on `device`; it shares the process's torch thread pool, so `num_threads` is not used.
-    backend "onnx": a folder from `qiao export onnx`, FP32 on the CPU, `num_threads` intra-op
-    threads."""
+    BF16, or INT8: W8A8 linear layers on the CPU) on `device`; it shares the process's torch
+    thread pool, so `num_threads` is not used. backend "onnx": a folder from `qiao export onnx`,
+    FP32 on the CPU, `num_threads` intra-op threads."""
     if precision not in PRECISIONS:
         raise ConfigError(
             f"precision_mode: unsupported value {precision!r}; allowed: {', '.join(PRECISIONS)}"
         )
     if backend == "embedding":
-        return TorchEncoder(path, dtype=PRECISIONS[precision], device=device)
+        chosen = PRECISIONS[precision]
+        if chosen.quantization is not None and _torch_device(device).type != "cpu":
+            raise ConfigError(
+                f"precision_mode: {precision} runs its int8 matmuls on the CPU; on {device!r} "
+                "use FP16 or BF16"
+            )
+        return TorchEncoder(path, chosen.dtype, device, quantization=chosen.quantization)
     if backend == "onnx":
         if precision != "FP32":
             raise ConfigError(
@@ -339,6 +445,19 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype: unsupported value {dtype!r}; allowed: {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _quantization(quantization: str | None, device: torch.device) -> str | None:
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization: unsupported value {quantization!r}; allowed: "
+            f"{', '.join(QUANTIZATIONS)} or None"
+        )
+    if device.type != "cpu":
+        raise ConfigError(f"quantization: {quantization} runs on the CPU, not on {device}")
+    return quantization
 
 
 def _torch_device(device: str) -> torch.device:
