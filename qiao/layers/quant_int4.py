@@ -445,11 +445,12 @@ class Int4Method(LinearMethod):
         )
         bf16 = ops is not None and bf16_tiles()
         dtype = torch.bfloat16 if bf16 else rows.dtype
+        # Each tile's product lands converted in the caller's dtype: one pass over the output.
+        out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
         rows = rows.to(dtype)
         blocks = p.packed.shape[0]
         step = max(4, (BF16_TILE_ELEMENTS if bf16 else _TILE_ELEMENTS) // (k * _BLOCK))
         buffer = torch.empty(k * _BLOCK * min(step, blocks), dtype=dtype) if bf16 else None
-        out = torch.empty(rows.shape[0], n, dtype=dtype, device=rows.device)
         for b in range(0, blocks, step):
             size = min(step, blocks - b)
             args = (p.packed, p.scales, p.offsets, p.group_size, n, k, b, size)
@@ -463,9 +464,7 @@ class Int4Method(LinearMethod):
             n0, n1 = b * _BLOCK, min(n, (b + size) * _BLOCK)
             tile = tile[:, : n1 - n0].to(dtype)
             out[:, n0:n1] = self.rows_matmul(lambda r, t=tile: r @ t, rows)
-        if layer.bias is not None:
-            out = out.float().add_(layer.bias.float()) if bf16 else out.add_(layer.bias)
-        return out
+        return out if layer.bias is None else out.add_(layer.bias)
 
 
 def bf16_tiles() -> bool:
