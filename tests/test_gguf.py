@@ -25,13 +25,8 @@ from qiao.entrypoints.llm import LLM
 from qiao.errors import ModelLoadError
 from qiao.layers.linear import LinearBase
 from qiao.models import load_arch_config, load_model
-from qiao.models.gguf import (
-    decode_q4_0,
-    decode_q4_k,
-    decode_q8_0,
-    gguf_int4_weights,
-    read_gguf_arch_config,
-)
+from qiao.models.gguf import gguf_int4_weights, read_gguf_arch_config
+from qiao.models.gguf_quants import decode_q4_0, decode_q4_k, decode_q8_0
 from qiao.sampling_params import SamplingParams
 from qiao.tokenizer import load_tokenizer
 
@@ -370,27 +365,27 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_unsupported_quant_type_names_it_and_the_supported_ones(gguf_of, tmp_path):
-    """A Q5_K matrix: the error names the tensor, Q5_K and the types qiao reads."""
+    """A Q3_K matrix: the error names the tensor, Q3_K and the types qiao reads."""
     import gguf
 
     source = gguf.GGUFReader(str(gguf_of("llama")))
-    writer = GGUFWriter(str(tmp_path / "q5k.gguf"), "llama")
+    writer = GGUFWriter(str(tmp_path / "q3k.gguf"), "llama")
     for key, field in source.fields.items():
         if key.startswith("llama."):
             writer.add_key_value(key, field.contents(), field.types[0])
     for t in source.tensors:
-        if t.name == "blk.0.ffn_down.weight":  # as Q5_K blocks: 256 weights in 176 bytes
-            raw = np.zeros((int(t.shape[1]), 176), np.uint8)
-            writer.add_tensor(t.name, raw, raw_dtype=GGMLQuantizationType.Q5_K)
+        if t.name == "blk.0.ffn_down.weight":  # as Q3_K blocks: 256 weights in 110 bytes
+            raw = np.zeros((int(t.shape[1]), 110), np.uint8)
+            writer.add_tensor(t.name, raw, raw_dtype=GGMLQuantizationType.Q3_K)
         else:
             writer.add_tensor(t.name, np.asarray(t.data).copy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    arch = load_arch_config(tmp_path / "q5k.gguf")
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight.*Q5_K.*F32, F16, BF16"):
-        load_model(tmp_path / "q5k.gguf", arch, dtype=torch.float32, device=torch.device("cpu"))
+    arch = load_arch_config(tmp_path / "q3k.gguf")
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight.*Q3_K.*F32, F16, BF16"):
+        load_model(tmp_path / "q3k.gguf", arch, dtype=torch.float32, device=torch.device("cpu"))
 
 
 def test_folder_with_two_gguf_files_asks_for_one(gguf_of, tmp_path):

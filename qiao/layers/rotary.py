@@ -5,6 +5,10 @@ cos/sin are computed once per forward from the step's positions, in float32, exa
 transformers computes them, and cast to the activation dtype. With partial rotary (Phi-4-mini)
 only the first `rotary_dim` of a head's D dims rotate, as [x1 | x2] of rotary_dim / 2 each.
 
+Explicit per-frequency factors ("freq_factors", what a GGUF file's `rope_freqs.weight` holds:
+llama.cpp's converter writes Llama 3.1 / 3.2's "llama3" scaling that way) divide the unscaled
+inverse frequencies one by one: inv_freq[i] = 1 / (theta ** (2i / rotary_dim)) / factors[i].
+
 LongRoPE (Phi-3 128k, Phi-4-mini) scales each frequency by `short_factor[i]` or `long_factor[i]`
 and multiplies cos/sin by sqrt(1 + log(factor) / log(original_max_position_embeddings)).
 transformers picks short or long per forward, by its largest position (long once it reaches
@@ -31,13 +35,15 @@ from torch import nn
 from qiao.errors import ConfigError
 from qiao.kernels import ops_for
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
 _REQUIRED_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     # `factor` defaults to max_position_embeddings / original_max_position_embeddings (ArchConfig).
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
+    # qiao's own: one divisor per frequency (GGUF's rope_freqs).
+    "freq_factors": ("freq_factors",),
 }
 
 
@@ -45,7 +51,7 @@ def validate_rope_scaling(
     rope_scaling: dict[str, Any] | None, rotary_dim: int | None = None
 ) -> None:
     """Raise ConfigError unless `rope_scaling` is None or a supported, complete scaling (with
-    `rotary_dim`: LongRoPE factor lists of rotary_dim / 2 entries)."""
+    `rotary_dim`: LongRoPE's and freq_factors' lists of rotary_dim / 2 entries)."""
     if rope_scaling is None:
         return
     rope_type = rope_scaling.get("rope_type", "default")
@@ -57,8 +63,9 @@ def validate_rope_scaling(
     for key in _REQUIRED_KEYS[rope_type]:
         if key not in rope_scaling:
             raise ConfigError(f"rope_scaling.{key}: required for rope_type {rope_type!r}")
-    if rope_type == "longrope" and rotary_dim is not None:
-        for key in ("short_factor", "long_factor"):
+    if rope_type in ("longrope", "freq_factors") and rotary_dim is not None:
+        keys = ("freq_factors",) if rope_type == "freq_factors" else ("short_factor", "long_factor")
+        for key in keys:
             if len(rope_scaling[key]) != rotary_dim // 2:
                 raise ConfigError(
                     f"rope_scaling.{key}: {len(rope_scaling[key])} values, expected "
@@ -80,6 +87,9 @@ def compute_inv_freq(
         return _llama3_inv_freq(1.0 / base, rope_scaling)
     if rope_type == "longrope":
         return _longrope_inv_freq(base, rope_scaling["short_factor"])
+    if rope_type == "freq_factors":
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32, device="cpu")
+        return 1.0 / base / factors
     return 1.0 / base
 
 

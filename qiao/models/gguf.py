@@ -9,14 +9,18 @@ module turns each into qiao's form:
 - `iter_gguf_weights`: (Hugging Face name, float tensor) of every tensor, llama.cpp's names mapped
   back (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) and, for the llama
   arch, the q/k row permutation of llama.cpp's converter undone. F32 / F16 / BF16 load as they
-  are; Q8_0, Q4_0 and Q4_K are decoded exactly (vectorised, no per-block loops).
+  are; Q8_0, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K are decoded exactly (qiao.models.gguf_quants:
+  vectorised, no per-block loops).
 - `gguf_int4_weights`: a Q4_0 / Q4_K tensor as `Int4Weights` (codes, per-32 scales and offsets),
   the 4-bit path's form, without a detour through float.
 The tokenizer is built in qiao.gguf_file (below the layers, for qiao.tokenizer).
 
-Q8_0 goes onto qiao's int8 path by requantizing: the exact dequantized weight is handed to the
-layer, whose per-output-channel int8 method (`Int8Method`) rounds it once more (docs/gguf.md
-gives the measured difference).
+One linear method serves every layer (`gguf_quantization`). A file with Q4 matrices is int4: its
+Q4 matrices go on as they are and its wider ones (Q6_K, Q5_*, Q8_0: the mixes "Q4_K_M" files
+make) are decoded exactly, then requantized onto int4 in groups of 32, one more rounding that
+keeps every layer on the fast 4-bit kernels. A file whose widest codes are Q5 / Q6 / Q8 is int8:
+the exact weights are handed to `Int8Method`, which rounds them per output channel. docs/gguf.md
+gives the measured cost of both.
 """
 
 from __future__ import annotations
@@ -35,8 +39,14 @@ from torch import nn
 
 from qiao.errors import ModelLoadError
 from qiao.gguf_file import NO_TOKEN_ID, open_gguf_reader
-from qiao.layers.quant_int4 import Int4Weights, attach_int4_weights
+from qiao.layers.quant_int4 import (
+    FALLBACK_GROUP_SIZE,
+    Int4Weights,
+    attach_int4_weights,
+    quantize_int4,
+)
 from qiao.models.arch_config import ArchConfig
+from qiao.models.gguf_quants import FLOAT_DECODERS, INT4_DECODERS
 
 logger = logging.getLogger("qiao.loader")
 
@@ -51,7 +61,11 @@ ARCHITECTURES = {
 }
 _MOE_ARCHS = ("qwen2moe", "qwen3moe")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K")
+INT4_TYPES = tuple(INT4_DECODERS)  # Q4_0, Q4_K: onto the int4 path as they are
+# Decoded to float: on the int8 path in a file without Q4 matrices, requantized onto int4 in one
+# with them (see `gguf_quantization`).
+WIDE_TYPES = tuple(FLOAT_DECODERS)  # Q8_0, Q5_0, Q5_1, Q5_K, Q6_K
+QUANT_TYPES = INT4_TYPES + WIDE_TYPES
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
 # The architectures whose q/k rows llama.cpp's converter permutes (rotary on adjacent pairs).
 _PERMUTED_ARCHS = ("llama",)
@@ -126,10 +140,10 @@ def read_gguf_arch_config(path: str | Path) -> ArchConfig:
             f"{f.path.name}: GGUF architecture {f.arch!r} is not supported; supported: "
             f"{', '.join(ARCHITECTURES)}"
         )
-    if "rope_freqs.weight" in f.tensors or "rope_factors_long.weight" in f.tensors:
+    if "rope_factors_long.weight" in f.tensors or "rope_factors_short.weight" in f.tensors:
         raise ModelLoadError(
-            f"{f.path.name}: per-frequency RoPE factors (rope_freqs / rope_factors_*: Llama 3.1 "
-            "scaling, LongRoPE) are not supported from GGUF yet; load the Hugging Face checkpoint"
+            f"{f.path.name}: LongRoPE factors (rope_factors_long / rope_factors_short, Phi-3 "
+            "128k) are not supported from GGUF yet; load the Hugging Face checkpoint"
         )
     heads = _meta_int(f, "attention.head_count")
     hidden = _meta_int(f, "embedding_length")
@@ -206,7 +220,18 @@ def _intermediate_size(f: GGUFFile) -> int:
 
 
 def _rope_scaling(f: GGUFFile) -> dict | None:
+    """`rope.scaling.type` linear, or `rope_freqs.weight`: the per-frequency divisors of the
+    inverse frequencies that llama.cpp's converter writes for Llama 3.1 / 3.2's "llama3"
+    scaling (qiao.layers.rotary's "freq_factors")."""
     kind = f.get("rope.scaling.type")
+    factors = f.tensors.get("rope_freqs.weight")
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise ModelLoadError(
+                f"{f.path.name}: rope_freqs with RoPE scaling {kind!r} is not supported"
+            )
+        values = dequantize_tensor(factors, "rope_freqs.weight").float().reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": values.tolist()}
     if kind in (None, "none"):
         return None
     if kind != "linear":
@@ -232,17 +257,18 @@ def _float_dtype(f: GGUFFile) -> str:
 
 
 def gguf_quantization(path: str | Path) -> str | None:
-    """The linear layers' path for the file's matrices: "int8" for Q8_0, "int4" for Q4_0 /
-    Q4_K, None for float ones."""
+    """The linear layers' path for the file's matrices: "int4" when any is Q4_0 / Q4_K (its
+    wider ones are requantized onto int4, `_attach_int4`), else "int8" when any is Q8_0, Q5_0,
+    Q5_1, Q5_K or Q6_K, else None (float)."""
     f = open_gguf(path)
     types = {
         t.tensor_type.name
         for name, t in f.tensors.items()
         if name.startswith("blk.") and len(t.shape) == 2
     }
-    if types & {"Q4_0", "Q4_K"}:
+    if types & set(INT4_TYPES):
         return "int4"
-    return "int8" if "Q8_0" in types else None
+    return "int8" if types & set(WIDE_TYPES) else None
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -252,8 +278,8 @@ def load_gguf_checkpoint(
     model: nn.Module, path: str | Path, quantization: str | None
 ) -> str | None:
     """Fill `model` (built from `read_gguf_arch_config(path)`) from the file; returns the
-    quantization its linear layers take: the one asked for, else the file's own (Q8_0: "int8",
-    Q4_0 / Q4_K: "int4", whose codes and scales are attached to the layers as they are)."""
+    quantization its linear layers take: the one asked for, else the file's own
+    (`gguf_quantization`; on int4 the codes and scales are attached to the layers)."""
     f = open_gguf(path)
     loaded = model.load_weights(iter_gguf_weights(f.path))
     missing = sorted(model.expected_weight_names() - loaded)
@@ -272,14 +298,16 @@ def load_gguf_checkpoint(
 
 
 def _attach_int4(model: nn.Module, path: Path) -> None:
-    """Hand each Q4 matrix's codes and scales to its layer (a tied head: the embedding's);
-    layers without one stay float."""
+    """Hand each layer its 4-bit weights (a tied head: the embedding's): a Q4 matrix's codes and
+    scales as they are, a wider quantized one (Q6_K, Q5_*, Q8_0) decoded exactly and
+    requantized in groups of 32, the group Q4 matrices have, so that a fused layer whose parts
+    differ (a Q4_K q and k beside a Q6_K v) stacks them. Float matrices stay float."""
     from qiao.layers.linear import LinearBase
     from qiao.models.llama import _param_name
 
     attached = set()
     tied = model.arch.tie_word_embeddings
-    for name, weights in gguf_int4_weights(path):
+    for name, weights in gguf_int4_weights(path, requantize=True):
         if tied and name == "model.embed_tokens.weight":
             name = "lm_head.weight"  # the tied head reads the embedding's codes
         param_name, shard_id = _param_name(name)
@@ -310,6 +338,8 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     f = open_gguf(path)
     arch = read_gguf_arch_config(f.path)
     for name, tensor in f.tensors.items():
+        if name == "rope_freqs.weight":  # read into the config's rope_scaling
+            continue
         weight = dequantize_tensor(tensor, name)
         match = _BLOCK_RE.fullmatch(name)
         if match is not None and match.group(2) in _EXPERT_NAMES:
@@ -320,23 +350,39 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield hf_name(name, f.arch), _unpermute(f, arch, name, weight)
 
 
-def gguf_int4_weights(path: str | Path) -> Iterator[tuple[str, Int4Weights]]:
-    """(Hugging Face name, Int4Weights) of every Q4_0 / Q4_K matrix, rows unpermuted."""
+def gguf_int4_weights(
+    path: str | Path, requantize: bool = False
+) -> Iterator[tuple[str, Int4Weights]]:
+    """(Hugging Face name, Int4Weights) of every Q4_0 / Q4_K matrix, rows unpermuted; with
+    `requantize` also of every other quantized matrix, decoded and requantized (`quantize_int4`,
+    groups of 32)."""
     f = open_gguf(path)
     arch = read_gguf_arch_config(f.path)
     for name, tensor in f.tensors.items():
         kind = tensor.tensor_type.name
-        if kind not in ("Q4_0", "Q4_K"):
+        if len(tensor.shape) != 2:  # stacked experts: decoded to float (`iter_gguf_weights`)
             continue
-        raw = _from_numpy(np.asarray(tensor.data))
-        decode = decode_q4_0 if kind == "Q4_0" else decode_q4_k
-        codes, scales, offsets = (_unpermute(f, arch, name, t) for t in decode(raw))
-        yield hf_name(name, f.arch), Int4Weights(codes, scales, offsets, 32)
+        if kind in INT4_TYPES:
+            raw = _from_numpy(np.asarray(tensor.data))
+            parts = INT4_DECODERS[kind](raw)
+            codes, scales, offsets = (_unpermute(f, arch, name, t) for t in parts)
+            yield hf_name(name, f.arch), Int4Weights(codes, scales, offsets, FALLBACK_GROUP_SIZE)
+        elif requantize and kind in WIDE_TYPES and _feeds_a_linear(f, name, tensor):
+            weight = _unpermute(f, arch, name, dequantize_tensor(tensor, name))
+            yield hf_name(name, f.arch), quantize_int4(weight, FALLBACK_GROUP_SIZE)
+
+
+def _feeds_a_linear(f: GGUFFile, name: str, tensor: Any) -> bool:
+    """Whether the tensor is a linear layer's matrix: 2-D, and not the embedding unless the
+    head is tied to it."""
+    if len(tensor.shape) != 2:
+        return False
+    return name != "token_embd.weight" or "output.weight" not in f.tensors
 
 
 def dequantize_tensor(tensor: Any, name: str = "") -> torch.Tensor:
     """One GGUF tensor as a torch tensor of its logical shape (rows first): F32 / F16 / BF16 as
-    stored (zero-copy where possible), Q8_0 / Q4_0 / Q4_K decoded to float32."""
+    stored (zero-copy where possible), the quantized types decoded to float32."""
     kind = tensor.tensor_type.name
     data = np.asarray(tensor.data)
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne innermost-first
@@ -348,9 +394,9 @@ def dequantize_tensor(tensor: Any, name: str = "") -> torch.Tensor:
         return _from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
     if kind in QUANT_TYPES:
         raw = _from_numpy(data.reshape(-1, data.shape[-1]))
-        if kind == "Q8_0":
-            return decode_q8_0(raw).reshape(shape)
-        codes, scales, offsets = (decode_q4_0 if kind == "Q4_0" else decode_q4_k)(raw)
+        if kind in FLOAT_DECODERS:
+            return FLOAT_DECODERS[kind](raw).reshape(shape)
+        codes, scales, offsets = INT4_DECODERS[kind](raw)
         groups = codes.float().reshape(codes.shape[0], -1, 32)
         weight = groups * scales[..., None] - offsets[..., None]
         return weight.reshape(shape)
@@ -365,55 +411,6 @@ def _from_numpy(data: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
         return torch.from_numpy(data)
-
-
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 little-endian -> float32 [...]."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def decode_q8_0(raw: torch.Tensor) -> torch.Tensor:
-    """Q8_0 rows [N, K/32 * 34] -> float32 [N, K]: each block is d (f16) and 32 int8, w = q d."""
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    d = _f16(blocks[..., :2])
-    q = blocks[..., 2:].contiguous().view(torch.int8).float()
-    return (q * d[..., None]).reshape(raw.shape[0], -1)
-
-
-def decode_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 rows [N, K/32 * 18] -> (codes uint8 [N, K], scales, offsets float32 [N, K/32]).
-
-    A block is d (f16) and 16 bytes: element i < 16 in the low nibble of byte i, element 16 + i
-    in its high nibble; w = (q - 8) d, i.e. scale d and offset 8 d.
-    """
-    blocks = raw.reshape(raw.shape[0], -1, 18)
-    d = _f16(blocks[..., :2])
-    qs = blocks[..., 2:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, blocks, 32]
-    return codes.reshape(raw.shape[0], -1), d, 8.0 * d
-
-
-def decode_q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows [N, K/256 * 144] -> (codes uint8 [N, K], scales, offsets float32 [N, K/32]).
-
-    A super-block of 256 is d, dmin (f16), 12 bytes of 6-bit (scale, min) pairs for its 8
-    sub-blocks of 32, and 128 bytes of codes: sub-blocks 2c and 2c+1 are the low and high
-    nibbles of bytes 32c..32c+31. w = q (d sc) - dmin m.
-    """
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, 144)
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    packed = blocks[..., 4:16].reshape(n, -1, 3, 4)
-    low, high, mixed = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7: a
-    # nibble of bytes 8-11 plus the top 2 bits of bytes 0-3 (scales) or 4-7 (mins).
-    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1).float()
-    m = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1).float()
-    qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # [N, blocks, 4 chunks, 2 halves, 32]
-    scales = (d[..., None] * sc).reshape(n, -1)
-    offsets = (dmin[..., None] * m).reshape(n, -1)
-    return codes.reshape(n, -1), scales, offsets
 
 
 def _unpermute(f: GGUFFile, arch: ArchConfig, name: str, t: torch.Tensor) -> torch.Tensor:
