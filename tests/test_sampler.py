@@ -299,3 +299,72 @@ def test_top_p_candidate_fast_path_equals_full_sort():
         full = _sorted_cutoff(logits.sort(dim=-1, descending=True).values, top_k, top_p)
         # Same kept set (a keep-everything row may report -inf instead of its smallest logit).
         assert torch.equal(logits < fast, logits < full)
+
+
+def _torch_draws(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, ...]:
+    """The PyTorch path's draws, with each row's CDF and uniform (the kernel's reference)."""
+    from qiao.runner.sampler import apply_min_p, apply_top_k_top_p, row_uniforms
+
+    scaled = logits.float() / metadata.temperature.unsqueeze(1)
+    scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
+    if metadata.min_p is not None:
+        scaled = apply_min_p(scaled, metadata.min_p)
+    probs = scaled.double().softmax(dim=-1)
+    uniforms = row_uniforms(metadata).double()
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, uniforms.unsqueeze(1)).squeeze(1), cdf, uniforms, probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.8},
+        {"temperature": 1.0},
+        {"temperature": 0.6, "top_k": 40},
+        {"temperature": 1.1, "top_p": 0.9},
+        {"temperature": 0.7, "top_k": 100, "top_p": 0.8},
+        {"temperature": 1.0, "min_p": 0.05},
+        {"temperature": 0.9, "top_p": 0.95, "min_p": 0.02},
+    ],
+)
+def test_the_fused_kernel_draws_what_the_pytorch_path_draws(dtype, params) -> None:
+    from qiao.runner.sampler import fused_sample
+
+    logits = random_logits(256, 1000, seed=7).to(dtype)
+    rows = [row(seed=1000 + i, num_generated=i % 5, **params) for i in range(256)]
+    metadata = SamplingMetadata.from_rows(rows, 1000, CPU)
+    fused = fused_sample(logits, metadata)
+    if fused is None:
+        pytest.skip("the C++ sampling kernel is not built here")
+    expected, cdf, uniforms, probs = _torch_draws(logits, metadata)
+    assert bool((probs.gather(1, fused.unsqueeze(1)) > 0).all())  # never a filtered token
+    for i in (fused != expected).nonzero().flatten().tolist():
+        # Sums in another order: a draw may differ only where u sits on a token's boundary.
+        lo, hi = sorted((int(fused[i]), int(expected[i])))
+        assert abs(float(cdf[i, lo]) - float(uniforms[i])) < 1e-5, (i, lo, hi)
+    assert (fused == expected).float().mean() > 0.99
+
+
+def test_the_fused_kernel_on_a_grid_of_uniforms_gives_the_softmax_counts() -> None:
+    from qiao.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or not ops.sample_rows_available():
+        pytest.skip("the C++ sampling kernel is not built here")
+    n = 20000
+    base = torch.tensor([2.0, -1.0, 0.5, float("-inf"), 0.0, 1.5, -3.0, 0.25] * 3)
+    temperature, cutoff = 0.8, -0.5 / 0.8  # keeps the tokens whose logit is >= -0.5
+    uniforms = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    draws = ops.sample_rows(
+        base.expand(n, -1).contiguous(),
+        torch.full((n,), temperature),
+        torch.full((n,), cutoff),
+        uniforms,
+    )
+    scaled = base / temperature
+    probs = torch.where(scaled >= cutoff, scaled, -math.inf).double().softmax(-1)
+    counts = torch.bincount(draws, minlength=base.numel()).double()
+    # Uniforms on a grid walk the CDF evenly: each token gets its share to within a draw or two.
+    assert (counts - n * probs).abs().max() <= 2
+    assert counts[probs == 0].sum() == 0

@@ -705,6 +705,56 @@ void rotary_head_avx512(T* v, const T* c, const T* s, int64_t half) {
 }
 #endif
 
+// One categorical draw from softmax(s) over the kept tokens of a row, s = x / t (t = 1: x as
+// is), kept = s >= cutoff: the first token whose running sum of exp(s - max) reaches u * total,
+// in vocabulary order (inverse-CDF sampling, as `inverse_cdf_sample` over `softmax`). Three
+// passes, nothing allocated: the max, the total, then the walk, 16 tokens at a time until the
+// block holding the target, resolved token by token. A row whose total is not a positive
+// number (NaN logits) gives its first largest value, as argmax.
+template <typename T>
+int64_t sample_row_avx512(const T* x, int64_t n, float t, float cutoff, float u) {
+  const __m512 tv = _mm512_set1_ps(t), cv = _mm512_set1_ps(cutoff);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto scaled = [&](int64_t i, __mmask16 m) {  // s, -inf outside the kept tokens and the row
+    __m512 v = load16(x + i, m);
+    if (t != 1.f) v = _mm512_div_ps(v, tv);
+    return _mm512_mask_mov_ps(neg_inf, _mm512_mask_cmp_ps_mask(m, v, cv, _CMP_GE_OQ), v);
+  };
+  __m512 mx = neg_inf;
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, scaled(i, lanes(n - i)));
+  const float top = _mm512_reduce_max_ps(mx);
+  const __m512 topv = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)
+    sum = _mm512_add_ps(sum, exp_nonpositive_ps(_mm512_sub_ps(scaled(i, lanes(n - i)), topv)));
+  const float total = _mm512_reduce_add_ps(sum);
+  if (!(total > 0.f) || !std::isfinite(top)) return argmax_row_avx512(x, n);
+  const float target = u * total;
+  float running = 0.f;
+  int64_t last_kept = -1;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 e = exp_nonpositive_ps(_mm512_sub_ps(scaled(i, lanes(n - i)), topv));
+    const float block = _mm512_reduce_add_ps(e);
+    if (block > 0.f) {
+      alignas(64) float w[16];
+      _mm512_store_ps(w, e);
+      if (running + block < target) {
+        for (int j = 15; j >= 0; --j)
+          if (w[j] > 0.f) { last_kept = i + j; break; }
+        running += block;
+        continue;
+      }
+      for (int64_t j = 0; j < 16 && i + j < n; ++j) {
+        if (w[j] <= 0.f) continue;
+        running += w[j];
+        last_kept = i + j;
+        if (running >= target) return i + j;
+      }
+    }
+  }
+  return last_kept;  // the block sums rounded below the total: the last token that could win
+}
+
 // Whether a row kernel has its AVX-512 form for storage dtype T.
 template <typename T>
 constexpr bool kVectorRows =
@@ -1070,7 +1120,55 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// One draw per row of logits [rows, V] (float32 or bfloat16): softmax of logits / temperature
+// over the tokens whose scaled logit is at least the row's cutoff, inverse CDF at the row's
+// uniform (see sample_row_avx512). temperature, cutoff: [rows] float32, or empty (1; keep all).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor cutoff,
+                          torch::Tensor uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "sample_rows: logits must be [rows, V > 0] with contiguous rows");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16,
+              "sample_rows: float32 or bfloat16 logits, got ", logits.scalar_type());
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  auto row_values = [&](const torch::Tensor& t, const char* name) -> const float* {
+    if (t.numel() == 0) return nullptr;
+    TORCH_CHECK(t.numel() == rows && t.is_contiguous() && t.scalar_type() == torch::kFloat32,
+                "sample_rows: ", name, " must be [rows] float32 or empty");
+    return t.data_ptr<float>();
+  };
+  const float* tp = row_values(temperature, "temperature");
+  const float* cp = row_values(cutoff, "cutoff");
+  const float* up = row_values(uniforms, "uniforms");
+  TORCH_CHECK(up != nullptr || rows == 0, "sample_rows: uniforms must be [rows] float32");
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+#ifdef QIAO_AVX512
+  auto run = [&](auto* xp) {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        op[r] = sample_row_avx512(xp + r * ld, n, tp ? tp[r] : 1.f,
+                                  cp ? cp[r] : -std::numeric_limits<float>::infinity(), up[r]);
+    });
+  };
+  if (logits.scalar_type() == torch::kFloat32) run(logits.data_ptr<float>());
+  else run(logits.data_ptr<c10::BFloat16>());
+#else
+  TORCH_CHECK(false, "sample_rows: this build has no AVX-512 (check sample_rows_available())");
+#endif
+  return out;
+}
+
+bool sample_rows_available() {
+#ifdef QIAO_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(logits / t) over kept tokens");
+  m.def("sample_rows_available", &sample_rows_available, "whether sample_rows is compiled here");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], float32 / bfloat16");
   m.def("argmax_rows", &argmax_rows, "index of each row's first largest value (torch.argmax)");
   m.def("int8_linear", &int8_linear, "x @ (scale * w_int8)^T + bias, for few rows of x");
