@@ -258,9 +258,9 @@ _TILE_ELEMENTS = 1 << 18
 # Prefill on bfloat16 tiles (`bf16_tiles`); a switch for tests and benchmarks: False keeps the
 # float32 tiles everywhere.
 PREFILL_BF16 = True
-# Elements per bfloat16 tile: 2 MiB. On the Qwen2.5-0.5B shapes (2-core AMD EPYC) 2^20 and
-# 2^21 were the fastest at 64 and 512 rows, 2^18 up to 1.3x slower (oneDNN's per-call cost on
-# narrow tiles), 2^22 up to 1.2x (docs/results/int4_prefill_bf16.json, "tiles").
+# Elements per bfloat16 tile: 2 MiB. On the Qwen2.5-0.5B shapes (2-core AMD EPYC, 64 and 512
+# rows) 2^20 was the fastest or within 8 % of it; 2^17 cost up to 1.8x at 64 rows (oneDNN's
+# fixed cost per call on narrow tiles), 2^22 up to 1.2x (docs/results/int4_prefill_bf16.json).
 BF16_TILE_ELEMENTS = 1 << 20
 _BLOCK = 16  # output features per packed block (the kernel's lanes)
 _CHUNK = 8  # input features per 4 bytes of one output feature
