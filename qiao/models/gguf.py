@@ -367,16 +367,14 @@ def gguf_int4_weights(
             parts = INT4_DECODERS[kind](raw)
             codes, scales, offsets = (_unpermute(f, arch, name, t) for t in parts)
             yield hf_name(name, f.arch), Int4Weights(codes, scales, offsets, FALLBACK_GROUP_SIZE)
-        elif requantize and kind in WIDE_TYPES and _feeds_a_linear(f, name, tensor):
+        elif requantize and kind in WIDE_TYPES and _feeds_a_linear(f, name):
             weight = _unpermute(f, arch, name, dequantize_tensor(tensor, name))
             yield hf_name(name, f.arch), quantize_int4(weight, FALLBACK_GROUP_SIZE)
 
 
-def _feeds_a_linear(f: GGUFFile, name: str, tensor: Any) -> bool:
-    """Whether the tensor is a linear layer's matrix: 2-D, and not the embedding unless the
-    head is tied to it."""
-    if len(tensor.shape) != 2:
-        return False
+def _feeds_a_linear(f: GGUFFile, name: str) -> bool:
+    """Whether a matrix is a linear layer's: any but the embedding, unless the head is tied
+    to it."""
     return name != "token_embd.weight" or "output.weight" not in f.tensors
 
 
