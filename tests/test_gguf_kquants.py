@@ -26,7 +26,7 @@ from qiao.entrypoints.llm import LLM
 from qiao.layers.linear import LinearBase
 from qiao.models import load_arch_config, load_model
 from qiao.models.gguf import gguf_quantization, read_gguf_arch_config
-from qiao.models.gguf_quants import FLOAT_DECODERS
+from qiao.models.gguf_quants import FLOAT_DECODERS, decode_q4_1
 from qiao.sampling_params import SamplingParams
 
 PROMPT = [1, 5, 9, 33, 77, 120, 4, 200, 17, 250, 3, 64, 99, 12, 180, 41]
@@ -84,6 +84,20 @@ def test_block_decoders_equal_gguf_dequantize(kind):
     got = FLOAT_DECODERS[kind](torch.from_numpy(raw))
     assert got.dtype == torch.float32
     assert np.array_equal(got.numpy(), expected)
+
+
+def test_q4_1_decodes_to_int4_codes_equal_to_gguf_dequantize():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((6, 512)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
+    raw = np.concatenate([raw, rng.integers(0, 256, raw.shape, dtype=np.uint8)])
+    blocks = raw.reshape(12, -1, 20)
+    blocks[..., :4] = rng.uniform(-0.1, 0.1, (12, 16, 2)).astype(np.float16).view(np.uint8)
+    codes, scales, offsets = decode_q4_1(torch.from_numpy(raw))
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    got = codes.float().reshape(12, -1, 32) * scales[..., None] - offsets[..., None]
+    expected = quants.dequantize(raw, GGMLQuantizationType.Q4_1)
+    assert np.array_equal(got.reshape(expected.shape).numpy(), expected)
 
 
 def test_q6_k_encoder_round_trips_through_gguf():
@@ -409,3 +423,42 @@ def test_freq_factors_divide_the_inverse_frequencies():
     torch.testing.assert_close(got, expected.float(), rtol=3e-7, atol=0)
     with pytest.raises(ConfigError, match=r"rope_scaling\.freq_factors: 3 values, expected 8"):
         compute_inv_freq(16, 10000.0, {"rope_type": "freq_factors", "freq_factors": [1.0] * 3})
+
+
+def _requantized(source: Path, out: Path, kind: str, embedding_kind: str | None = None) -> Path:
+    """The F32 file `source` with every matrix encoded in `kind` by the gguf package, the
+    embedding in `embedding_kind` (None: kept F32)."""
+    replace = {}
+    for t in gguf.GGUFReader(str(source)).tensors:
+        chosen = embedding_kind if t.name == "token_embd.weight" else kind
+        if len(t.shape) == 2 and chosen is not None:
+            qtype = GGMLQuantizationType[chosen]
+            w = np.asarray(t.data).reshape(int(t.shape[1]), int(t.shape[0]))
+            replace[t.name] = (quants.quantize(w, qtype), qtype)
+    return rewrite_gguf(source, out, replace)
+
+
+def test_q4_1_file_runs_on_the_int4_path(llama256, tmp_path):
+    """Q4_1's codes go onto int4 as they are: the exact decode equals transformers' reading,
+    the int4 path adds only its kernels' rounding of the activations."""
+    f32 = write_gguf(llama256, tmp_path / "f32.gguf", "F32")
+    path = _requantized(f32, tmp_path / "q4_1.gguf", "Q4_1")
+    assert gguf_quantization(path) == "int4"
+    decoded = _logits(path, PROMPT, None)
+    torch.testing.assert_close(decoded, _hf_logits(tmp_path, path.name), rtol=0, atol=1e-4)
+    assert _methods(path) == {"int4"}
+    assert _relative_error(_logits(path, PROMPT), decoded) < 0.05  # measured 0.018
+
+
+def test_tied_head_of_a_wider_embedding_is_requantized_onto_int4(tiny_checkpoint, tmp_path):
+    """Qwen3 ties its head to token_embd; in a Q4_0 file with a Q8_0 embedding (llama.cpp
+    gives a tied embedding more bits) the head is the embedding requantized onto int4."""
+    f32 = write_gguf(tiny_checkpoint("qwen3"), tmp_path / "f32.gguf", "F32")
+    path = _requantized(f32, tmp_path / "mixed.gguf", "Q4_0", "Q8_0")
+    arch = load_arch_config(path)
+    assert arch.tie_word_embeddings
+    model = _load(path, arch)
+    assert model.lm_head.method.name == "int4"
+    assert {m.method.name for m in model.modules() if isinstance(m, LinearBase)} == {"int4"}
+    decoded = _logits(path, PROMPT, None)
+    assert _relative_error(_logits(path, PROMPT), decoded) < 0.15  # measured 0.087

@@ -9,9 +9,9 @@ module turns each into qiao's form:
 - `iter_gguf_weights`: (Hugging Face name, float tensor) of every tensor, llama.cpp's names mapped
   back (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) and, for the llama
   arch, the q/k row permutation of llama.cpp's converter undone. F32 / F16 / BF16 load as they
-  are; Q8_0, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K are decoded exactly (qiao.models.gguf_quants:
+  are; Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K are decoded exactly (qiao.models.gguf_quants:
   vectorised, no per-block loops).
-- `gguf_int4_weights`: a Q4_0 / Q4_K tensor as `Int4Weights` (codes, per-32 scales and offsets),
+- `gguf_int4_weights`: a Q4_0 / Q4_1 / Q4_K tensor as `Int4Weights` (codes, per-32 scales and offsets),
   the 4-bit path's form, without a detour through float.
 The tokenizer is built in qiao.gguf_file (below the layers, for qiao.tokenizer).
 
@@ -61,7 +61,7 @@ ARCHITECTURES = {
 }
 _MOE_ARCHS = ("qwen2moe", "qwen3moe")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-INT4_TYPES = tuple(INT4_DECODERS)  # Q4_0, Q4_K: onto the int4 path as they are
+INT4_TYPES = tuple(INT4_DECODERS)  # Q4_0, Q4_1, Q4_K: onto the int4 path as they are
 # Decoded to float: on the int8 path in a file without Q4 matrices, requantized onto int4 in one
 # with them (see `gguf_quantization`).
 WIDE_TYPES = tuple(FLOAT_DECODERS)  # Q8_0, Q5_0, Q5_1, Q5_K, Q6_K
@@ -257,7 +257,7 @@ def _float_dtype(f: GGUFFile) -> str:
 
 
 def gguf_quantization(path: str | Path) -> str | None:
-    """The linear layers' path for the file's matrices: "int4" when any is Q4_0 / Q4_K (its
+    """The linear layers' path for the file's matrices: "int4" when any is Q4_0 / Q4_1 / Q4_K (its
     wider ones are requantized onto int4, `_attach_int4`), else "int8" when any is Q8_0, Q5_0,
     Q5_1, Q5_K or Q6_K, else None (float)."""
     f = open_gguf(path)
@@ -353,7 +353,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def gguf_int4_weights(
     path: str | Path, requantize: bool = False
 ) -> Iterator[tuple[str, Int4Weights]]:
-    """(Hugging Face name, Int4Weights) of every Q4_0 / Q4_K matrix, rows unpermuted; with
+    """(Hugging Face name, Int4Weights) of every Q4_0 / Q4_1 / Q4_K matrix, rows unpermuted; with
     `requantize` also of every other quantized matrix, decoded and requantized (`quantize_int4`,
     groups of 32)."""
     f = open_gguf(path)

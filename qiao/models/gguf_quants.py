@@ -5,7 +5,7 @@ them (row-major, one row of blocks per output feature), and computes in float32 
 `gguf.quants.dequantize` does, so the results are bit for bit the gguf package's
 (tests/test_gguf.py, tests/test_gguf_kquants.py).
 
-- Q4_0 and Q4_K come back as 4-bit codes with a float32 scale and offset per 32 weights
+- Q4_0, Q4_1 and Q4_K come back as 4-bit codes with a float32 scale and offset per 32 weights
   (w = q scale - offset), the int4 path's own form (`Int4Weights`).
 - Q8_0, Q5_0, Q5_1, Q5_K and Q6_K come back as float32 weights [N, K]: their codes need more
   than 4 bits, so no int4 form holds them exactly.
@@ -47,6 +47,16 @@ def decode_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     qs = blocks[..., 2:]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, blocks, 32]
     return codes.reshape(raw.shape[0], -1), d, 8.0 * d
+
+
+def decode_q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows [N, K/32 * 20] -> (codes uint8 [N, K], scales, offsets float32 [N, K/32]):
+    d, m (f16), then Q4_0's 16 bytes of nibbles; w = q d + m, i.e. scale d and offset -m."""
+    blocks = raw.reshape(raw.shape[0], -1, 20)
+    d, m = _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
+    qs = blocks[..., 4:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    return codes.reshape(raw.shape[0], -1), d, -m
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,4 +163,4 @@ FLOAT_DECODERS = {
     "Q6_K": decode_q6_k,
 }
 # The types decoded to int4 codes, scales and offsets (the int4 path takes them as they are).
-INT4_DECODERS = {"Q4_0": decode_q4_0, "Q4_K": decode_q4_k}
+INT4_DECODERS = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q4_K": decode_q4_k}
