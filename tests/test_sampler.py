@@ -285,8 +285,13 @@ def test_a_big_mixed_batch_samples_every_row() -> None:
     assert torch.equal(out.sampled_token_ids, again.sampled_token_ids)  # seeded rows repeat
 
 
-def test_top_p_candidate_fast_path_equals_full_sort():
-    from qiao.runner.sampler import _sorted_cutoff, _top_k_top_p_cutoff
+@pytest.mark.parametrize("path", ["kernel", "candidates"])
+def test_top_p_cutoff_equals_full_sort(path):
+    from qiao.kernels import cpu_ops
+    from qiao.runner.sampler import _candidate_cutoff, _sorted_cutoff, _top_k_top_p_cutoff
+
+    if path == "kernel" and (cpu_ops() is None or not cpu_ops().sample_rows_available()):
+        pytest.skip("the C++ sampling kernel is not built here")
 
     vocab = 5000
     g = torch.Generator().manual_seed(5)
@@ -295,7 +300,10 @@ def test_top_p_candidate_fast_path_equals_full_sort():
     logits = torch.cat([peaked, flat])
     top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.7, 0.95] * 2)
     for top_k in (None, torch.tensor([5, 300, vocab, 40, vocab, 1] * 2)):
-        fast = _top_k_top_p_cutoff(logits, top_k, top_p)
+        if path == "kernel":
+            fast = _top_k_top_p_cutoff(logits, top_k, vocab, top_p)
+        else:
+            fast = _candidate_cutoff(logits, top_k, top_p)
         full = _sorted_cutoff(logits.sort(dim=-1, descending=True).values, top_k, top_p)
         # Same kept set (a keep-everything row may report -inf instead of its smallest logit).
         assert torch.equal(logits < fast, logits < full)
@@ -368,3 +376,14 @@ def test_the_fused_kernel_on_a_grid_of_uniforms_gives_the_softmax_counts() -> No
     # Uniforms on a grid walk the CDF evenly: each token gets its share to within a draw or two.
     assert (counts - n * probs).abs().max() <= 2
     assert counts[probs == 0].sum() == 0
+
+
+def test_top_p_cutoff_keeps_tied_tokens_together() -> None:
+    from qiao.runner.sampler import _top_k_top_p_cutoff
+
+    logits = torch.tensor([[1.0, 3.0, 0.0, 3.0, 1.0], [1.0, 3.0, 0.0, 3.0, 1.0]])
+    top_p = torch.tensor([0.3, 0.9])
+    # p = 0.3: the first 3.0 alone (0.43 of the mass) reaches it; its twin is kept with it.
+    # p = 0.9: both 3.0s (0.86) fall short, so the 1.0s join as a tied pair.
+    cutoff = _top_k_top_p_cutoff(logits, None, 5, top_p)
+    assert cutoff.flatten().tolist() == [3.0, 1.0]

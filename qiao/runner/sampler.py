@@ -32,6 +32,7 @@ _MASK32 = 0xFFFFFFFF
 # A uniform keeps the top 23 bits of a hash: with the half-step offset below, every value is
 # exact in float32's 24-bit significand, so none rounds to 1.0 (which would make -log(u) = 0).
 _UNIFORM_BITS = 23
+_EMPTY = torch.empty(0)  # an absent per-row argument of the C++ kernels
 
 
 @dataclass
@@ -259,9 +260,6 @@ def fused_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     return ops.sample_rows(source, temperature.contiguous(), row_cutoff, row_uniforms(metadata))
 
 
-_EMPTY = torch.empty(0)
-
-
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[B] int64: each row's argmax, the first index of its largest value (a NaN counting as
     largest), as `logits.argmax(dim=-1)`. On the CPU in float32 or bfloat16 the C++ kernel's one
@@ -313,7 +311,7 @@ def top_k_top_p_cutoff(
 ) -> torch.Tensor | None:
     """[B, 1] the smallest logit `apply_top_k_top_p` keeps in each row, or None (neither set)."""
     if top_p is not None:
-        return _top_k_top_p_cutoff(logits, top_k, top_p)
+        return _top_k_top_p_cutoff(logits, top_k, max_top_k, top_p)
     if top_k is not None:
         return _top_k_cutoff(logits, top_k, max_top_k)
     return None
@@ -333,9 +331,36 @@ _TOP_P_CANDIDATES = 256
 
 
 def _top_k_top_p_cutoff(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, 1] smallest logit kept by top-k and then by top-p (over the top-k renormalised).
+
+    On the CPU in float32: top-k's cutoff, then the C++ kernel's exact search of each row for
+    the top-p cutoff over the tokens top-k keeps (`top_p_cutoff_rows`: the weights once, then
+    32 bisection passes over the row instead of a sort). Elsewhere `_candidate_cutoff`."""
+    ops = ops_for(logits)
+    if (
+        ops is not None
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and ops.sample_rows_available()
+    ):
+        floor = _EMPTY
+        if top_k is not None:
+            floor = _top_k_cutoff(logits, top_k, max_top_k).squeeze(1).contiguous()
+        cutoff = ops.top_p_cutoff_rows(logits, floor, top_p.contiguous())
+        # p = 1 keeps every token top-k keeps: its cutoff (or -inf) rather than the row's least.
+        keep_all = floor if top_k is not None else torch.full_like(cutoff, -math.inf)
+        return torch.where(top_p >= 1.0, keep_all, cutoff).unsqueeze(1)
+    return _candidate_cutoff(logits, top_k, top_p)
+
+
+def _candidate_cutoff(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """[B, 1] smallest logit kept by top-k and then by top-p (over the top-k renormalised)."""
+    """`_top_k_top_p_cutoff` in PyTorch: the nucleus looked for among the most likely tokens
+    first, rows whose nucleus is wider sorted in full."""
     vocab_size = logits.shape[-1]
     num_candidates = min(_TOP_P_CANDIDATES, vocab_size)
     if num_candidates == vocab_size:

@@ -755,6 +755,69 @@ int64_t sample_row_avx512(const T* x, int64_t n, float t, float cutoff, float u)
   return last_kept;  // the block sums rounded below the total: the last token that could win
 }
 
+// float32 <-> a uint32 key in the same order (negative floats reversed below the positive ones).
+inline uint32_t order_key(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+inline float from_order_key(uint32_t k) {
+  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
+  float v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// The top-p cutoff of one row of scaled logits s over the tokens s >= floor: the largest value
+// c of the row such that the tokens s >= c hold at least p of the kept mass, i.e. the logit of
+// the last token of the smallest prefix, most likely first, reaching p (ties kept together),
+// as a sort would find it. The weights exp(s - max) are written once into `w`; the cutoff is
+// then found by bisection over the float order (32 halvings, each one pass summing w where
+// s >= the midpoint), which is exact: the mass only changes at the row's own values.
+inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, float p, float* w) {
+  const __m512 fv = _mm512_set1_ps(floor);
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mn = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, s + i);
+    const __mmask16 kept = _mm512_mask_cmp_ps_mask(m, v, fv, _CMP_GE_OQ);
+    mx = _mm512_mask_max_ps(mx, kept, mx, v);
+    mn = _mm512_mask_min_ps(mn, kept, mn, v);
+  }
+  const float top = _mm512_reduce_max_ps(mx), bottom = _mm512_reduce_min_ps(mn);
+  if (!std::isfinite(top) || !(bottom <= top)) return floor;  // nothing finite kept: no cut
+  const __m512 topv = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, s + i);
+    const __mmask16 kept = _mm512_mask_cmp_ps_mask(m, v, fv, _CMP_GE_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(kept, exp_nonpositive_ps(_mm512_sub_ps(v, topv)));
+    _mm512_storeu_ps(w + i, e);  // w has room for whole vectors
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float target = p * _mm512_reduce_add_ps(sum);
+  auto mass_from = [&](float c) {  // kept mass of the tokens s >= c
+    const __m512 cv = _mm512_set1_ps(c);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      acc = _mm512_mask_add_ps(acc, _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s + i), cv, _CMP_GE_OQ),
+                               acc, _mm512_loadu_ps(w + i));
+    }
+    return _mm512_reduce_add_ps(acc);
+  };
+  // Invariant: mass_from(lo) >= target (true at the smallest kept value); hi is past the answer.
+  uint32_t lo = order_key(bottom), hi = order_key(top) + 1;
+  if (mass_from(top) >= target) return top;
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (mass_from(from_order_key(mid)) >= target) lo = mid; else hi = mid;
+  }
+  return from_order_key(lo);
+}
+
 // Whether a row kernel has its AVX-512 form for storage dtype T.
 template <typename T>
 constexpr bool kVectorRows =
@@ -1166,7 +1229,38 @@ bool sample_rows_available() {
 #endif
 }
 
+// Top-p cutoffs [rows] of scaled float32 logits [rows, V]: per row the smallest logit kept by
+// top-p over the tokens at or above floor[row] (top-k's cutoff; empty: every token), p < 1.
+torch::Tensor top_p_cutoff_rows(torch::Tensor scaled, torch::Tensor floor, torch::Tensor top_p) {
+  TORCH_CHECK(scaled.dim() == 2 && scaled.stride(1) == 1 && scaled.size(1) > 0 &&
+                  scaled.scalar_type() == torch::kFloat32,
+              "top_p_cutoff_rows: scaled must be float32 [rows, V > 0] with contiguous rows");
+  const int64_t rows = scaled.size(0), n = scaled.size(1), ld = scaled.stride(0);
+  TORCH_CHECK(top_p.numel() == rows && top_p.is_contiguous() && top_p.scalar_type() == torch::kFloat32,
+              "top_p_cutoff_rows: top_p must be [rows] float32");
+  TORCH_CHECK(floor.numel() == 0 || (floor.numel() == rows && floor.is_contiguous() &&
+                                     floor.scalar_type() == torch::kFloat32),
+              "top_p_cutoff_rows: floor must be [rows] float32 or empty");
+  auto out = torch::empty({rows}, scaled.options());
+#ifdef QIAO_AVX512
+  const float* sp = scaled.data_ptr<float>();
+  const float* fp = floor.numel() ? floor.data_ptr<float>() : nullptr;
+  const float* pp = top_p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> w((n + 15) / 16 * 16);
+    for (int64_t r = b; r < e; ++r)
+      op[r] = top_p_cutoff_row_avx512(sp + r * ld, n, fp ? fp[r] : -std::numeric_limits<float>::infinity(),
+                                      pp[r], w.data());
+  });
+#else
+  TORCH_CHECK(false, "top_p_cutoff_rows: this build has no AVX-512 (check sample_rows_available())");
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("top_p_cutoff_rows", &top_p_cutoff_rows, "each row's top-p cutoff logit (over tokens >= floor)");
   m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(logits / t) over kept tokens");
   m.def("sample_rows_available", &sample_rows_available, "whether sample_rows is compiled here");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], float32 / bfloat16");
