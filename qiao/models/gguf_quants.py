@@ -96,7 +96,7 @@ def decode_q5_0(raw: torch.Tensor) -> torch.Tensor:
     blocks = raw.reshape(raw.shape[0], -1, 22)
     d = _f16(blocks[..., :2])
     q = _five_bit_codes(blocks[..., 2:6], blocks[..., 6:])
-    return (d[..., None] * (q.to(torch.int8) - 16).float()).reshape(raw.shape[0], -1)
+    return (d[..., None] * (q.float() - 16)).reshape(raw.shape[0], -1)  # q - 16 exact in float
 
 
 def decode_q5_1(raw: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ def decode_q6_k(raw: torch.Tensor) -> torch.Tensor:
     qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
     high = (qh >> shifts) & 0x03  # [N, blocks, 2 halves, 4, 32]
-    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, -1, 16, 16)
+    q = ((low | (high << 4)).float() - 32).reshape(n, -1, 16, 16)  # q - 32 exact in float
     sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, blocks, 16]
     d = _f16(blocks[..., 208:210])
     return ((d[..., None] * sc)[..., None] * q).reshape(n, -1)
