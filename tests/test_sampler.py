@@ -387,3 +387,18 @@ def test_top_p_cutoff_keeps_tied_tokens_together() -> None:
     # p = 0.9: both 3.0s (0.86) fall short, so the 1.0s join as a tied pair.
     cutoff = _top_k_top_p_cutoff(logits, None, 5, top_p)
     assert cutoff.flatten().tolist() == [3.0, 1.0]
+
+
+def test_top_k_cutoff_kernel_equals_torch_topk() -> None:
+    from qiao.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or not ops.sample_rows_available():
+        pytest.skip("the C++ sampling kernel is not built here")
+    logits = random_logits(6, 3000, seed=3)
+    logits[1, :50] = 2.5  # repeats counted: the 10th largest of a run of equal values
+    logits[2, 7] = float("-inf")
+    top_k = torch.tensor([1, 10, 2999, 3000, 5000, 17])
+    expected = logits.topk(2999, dim=-1).values.gather(1, top_k.clamp(max=2999)[:, None] - 1)
+    expected[top_k >= 3000] = -math.inf
+    assert torch.equal(ops.top_k_cutoff_rows(logits, top_k).unsqueeze(1), expected)

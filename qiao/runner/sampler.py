@@ -318,7 +318,18 @@ def top_k_top_p_cutoff(
 
 
 def _top_k_cutoff(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """[B, 1] k-th largest logit, from one partial top-k instead of a full sort."""
+    """[B, 1] k-th largest logit (-inf where k covers the vocabulary): on the CPU in float32 by
+    the C++ kernel's exact bisection over each row (`top_k_cutoff_rows`: 32 counting passes),
+    elsewhere from one partial top-k instead of a full sort."""
+    ops = ops_for(logits)
+    if (
+        ops is not None
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and ops.sample_rows_available()
+    ):
+        return ops.top_k_cutoff_rows(logits, top_k.contiguous()).unsqueeze(1)
     top_values = logits.topk(max_top_k, dim=-1).values
     cutoff = top_values.gather(1, top_k.clamp(max=max_top_k).unsqueeze(1) - 1)
     disabled = (top_k >= logits.shape[-1]).unsqueeze(1)

@@ -818,6 +818,39 @@ inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, flo
   return from_order_key(lo);
 }
 
+// The k-th largest value of a row, counting repeats (torch.topk(k).values[k - 1]), 1 <= k <= n:
+// the largest c with at least k values >= c, by bisection over the float order (32 counting
+// passes), exact as above. NaN never counts.
+inline float kth_largest_row_avx512(const float* s, int64_t n, int64_t k) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mn = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, s + i);
+    const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_ORD_Q);
+    mx = _mm512_mask_max_ps(mx, ok, mx, v);
+    mn = _mm512_mask_min_ps(mn, ok, mn, v);
+  }
+  const float top = _mm512_reduce_max_ps(mx), bottom = _mm512_reduce_min_ps(mn);
+  auto count_from = [&](float c) {
+    const __m512 cv = _mm512_set1_ps(c);
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      count += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s + i), cv, _CMP_GE_OQ));
+    }
+    return count;
+  };
+  if (!(bottom <= top) || count_from(bottom) < k) return -std::numeric_limits<float>::infinity();
+  uint32_t lo = order_key(bottom), hi = order_key(top) + 1;
+  if (count_from(top) >= k) return top;
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (count_from(from_order_key(mid)) >= k) lo = mid; else hi = mid;
+  }
+  return from_order_key(lo);
+}
+
 // Whether a row kernel has its AVX-512 form for storage dtype T.
 template <typename T>
 constexpr bool kVectorRows =
@@ -1259,7 +1292,35 @@ torch::Tensor top_p_cutoff_rows(torch::Tensor scaled, torch::Tensor floor, torch
   return out;
 }
 
+// Top-k cutoffs [rows] of float32 logits [rows, V]: each row's k-th largest value (repeats
+// counted), -inf where k >= V (top-k off). top_k: [rows] int64, each >= 1.
+torch::Tensor top_k_cutoff_rows(torch::Tensor logits, torch::Tensor top_k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
+                  logits.scalar_type() == torch::kFloat32,
+              "top_k_cutoff_rows: logits must be float32 [rows, V > 0] with contiguous rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(top_k.numel() == rows && top_k.is_contiguous() && top_k.scalar_type() == torch::kInt64,
+              "top_k_cutoff_rows: top_k must be [rows] int64");
+  auto out = torch::empty({rows}, logits.options());
+#ifdef QIAO_AVX512
+  const float* sp = logits.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      TORCH_CHECK(kp[r] >= 1, "top_k_cutoff_rows: top_k must be >= 1, got ", kp[r]);
+      op[r] = kp[r] >= n ? -std::numeric_limits<float>::infinity()
+                         : kth_largest_row_avx512(sp + r * ld, n, kp[r]);
+    }
+  });
+#else
+  TORCH_CHECK(false, "top_k_cutoff_rows: this build has no AVX-512 (check sample_rows_available())");
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("top_k_cutoff_rows", &top_k_cutoff_rows, "each row's k-th largest logit (-inf: top-k off)");
   m.def("top_p_cutoff_rows", &top_p_cutoff_rows, "each row's top-p cutoff logit (over tokens >= floor)");
   m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(logits / t) over kept tokens");
   m.def("sample_rows_available", &sample_rows_available, "whether sample_rows is compiled here");
