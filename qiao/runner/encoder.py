@@ -193,8 +193,8 @@ class _TokenizingEncoder:
 class TorchEncoder(_TokenizingEncoder):
     """The BERT encoder of a Hugging Face checkpoint directory, run in PyTorch: weights and
     activations in `dtype`, the linear layers in it or as `quantization` ("w8a8"), pooling and
-    normalisation in float32. Warmed at load (one batch run), so that the first request does
-    not pay first-call costs.
+    normalisation in float32. Warmed at load (a short batch and one row), so that the first
+    request does not pay first-call costs.
 
     A batch runs as groups of rows of similar length (`length_groups`), each padded to its own
     longest row only, and unmasked where its rows are all one length."""
