@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -237,15 +238,8 @@ def fused_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     logits scaled here once (top-k / top-p as `apply_top_k_top_p`; min-p's threshold, max +
     log(min_p), then the larger of the two). Sums run in another order than PyTorch's, so a
     draw can differ only where u falls within float32 rounding of a token's boundary."""
-    ops = ops_for(logits)
-    if (
-        ops is None
-        or logits.dim() != 2
-        or logits.dtype not in (torch.float32, torch.bfloat16)
-        or logits.shape[-1] == 0
-        or logits.stride(-1) != 1
-        or not ops.sample_rows_available()
-    ):
+    ops = _row_kernels(logits, (torch.float32, torch.bfloat16))
+    if ops is None:
         return None
     assert metadata.temperature is not None
     source, temperature, cutoff = logits, metadata.temperature, None
@@ -265,16 +259,27 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     largest), as `logits.argmax(dim=-1)`. On the CPU in float32 or bfloat16 the C++ kernel's one
     pass per row (`argmax_rows`): 19x PyTorch's in bfloat16, which it reduces through float32
     element by element (64 x 151936 logits, 2 cores: 0.9 against 17 ms)."""
-    ops = ops_for(logits)
-    if (
-        ops is not None
-        and logits.dim() == 2
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.shape[-1] > 0
-        and logits.stride(-1) == 1
-    ):
+    ops = _row_kernels(logits, (torch.float32, torch.bfloat16), vectorised=False)
+    if ops is not None:
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def _row_kernels(
+    logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], vectorised: bool = True
+) -> ModuleType | None:
+    """The C++ row kernels where they take `logits`: on the CPU, [B, V > 0] with contiguous
+    rows, a dtype of `dtypes`, and (`vectorised`) an AVX-512 build; else None."""
+    ops = ops_for(logits)
+    if (
+        ops is None
+        or logits.dim() != 2
+        or logits.dtype not in dtypes
+        or logits.shape[-1] == 0
+        or logits.stride(-1) != 1
+    ):
+        return None
+    return ops if not vectorised or ops.sample_rows_available() else None
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -321,14 +326,8 @@ def _top_k_cutoff(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> 
     """[B, 1] k-th largest logit (-inf where k covers the vocabulary): on the CPU in float32 by
     the C++ kernel's exact bisection over each row (`top_k_cutoff_rows`: 32 counting passes),
     elsewhere from one partial top-k instead of a full sort."""
-    ops = ops_for(logits)
-    if (
-        ops is not None
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.stride(-1) == 1
-        and ops.sample_rows_available()
-    ):
+    ops = _row_kernels(logits, (torch.float32,))
+    if ops is not None:
         return ops.top_k_cutoff_rows(logits, top_k.contiguous()).unsqueeze(1)
     top_values = logits.topk(max_top_k, dim=-1).values
     cutoff = top_values.gather(1, top_k.clamp(max=max_top_k).unsqueeze(1) - 1)
@@ -349,14 +348,8 @@ def _top_k_top_p_cutoff(
     On the CPU in float32: top-k's cutoff, then the C++ kernel's exact search of each row for
     the top-p cutoff over the tokens top-k keeps (`top_p_cutoff_rows`: the weights once, then
     32 bisection passes over the row instead of a sort). Elsewhere `_candidate_cutoff`."""
-    ops = ops_for(logits)
-    if (
-        ops is not None
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.stride(-1) == 1
-        and ops.sample_rows_available()
-    ):
+    ops = _row_kernels(logits, (torch.float32,))
+    if ops is not None:
         floor = _EMPTY
         if top_k is not None:
             floor = _top_k_cutoff(logits, top_k, max_top_k).squeeze(1).contiguous()

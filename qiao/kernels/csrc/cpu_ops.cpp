@@ -653,6 +653,18 @@ int64_t argmax_row_avx512(const T* x, int64_t n) {
   return _mm512_mask_reduce_min_epi32(at_top, where);
 }
 
+// out = w * T(x * rsqrt(ss / n + eps)), ss the sum of squares of x: the normalising pass.
+template <typename T>
+void scale_row_avx512(T* out, const T* x, const T* w, int64_t n, float ss, float eps) {
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(ss / n + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    __m512 v = _mm512_mul_ps(load16(x + i, m), r);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), v), m);
+  }
+}
+
 // x * rsqrt(mean(x^2) + eps), cast to T, times w: rms_norm_row on 16 lanes (float32 / bfloat16).
 template <typename T>
 void rms_norm_row_avx512(T* out, const T* x, const T* w, int64_t n, float eps) {
@@ -661,13 +673,7 @@ void rms_norm_row_avx512(T* out, const T* x, const T* w, int64_t n, float eps) {
     const __m512 v = load16(x + i, lanes(n - i));
     ss = _mm512_fmadd_ps(v, v, ss);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    __m512 v = _mm512_mul_ps(load16(x + i, m), r);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
-    store16(out + i, _mm512_mul_ps(load16(w + i, m), v), m);
-  }
+  scale_row_avx512(out, x, w, n, _mm512_reduce_add_ps(ss), eps);
 }
 
 // residual = T(residual + x), then x = rms_norm(residual): the sum of squares is taken over the
@@ -682,13 +688,7 @@ void add_rms_norm_row_avx512(T* x, T* residual, const T* w, int64_t n, float eps
     store16(residual + i, v, m);
     ss = _mm512_fmadd_ps(v, v, ss);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    __m512 v = _mm512_mul_ps(load16(residual + i, m), r);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) v = round_bf16_ps(v);
-    store16(x + i, _mm512_mul_ps(load16(w + i, m), v), m);
-  }
+  scale_row_avx512(x, residual, w, n, _mm512_reduce_add_ps(ss), eps);
 }
 
 // One head of rotary_ on 16 lanes: v = [x1 | x2] (half each) with cos c, sin s of length 2 * half.
