@@ -2,8 +2,10 @@
 
 A run adds the batch's requests, times the one step that prefills them all (the token budget is
 raised so no prompt is chunked), then times each of `--decode-steps` decode steps; the decode
-figure is the median step. At batch 1 the decode step reads every weight once, so weight bytes /
-step time is the bandwidth it achieved; the copy bandwidth measured here bounds it.
+figure is the median step. A decode step reads every weight once (of a mixture-of-experts layer
+the experts the batch is expected to route to: `weight_bytes_per_decode_step` at the run's batch
+size), so weight bytes / step time is the bandwidth it achieved; the copy bandwidth measured
+here bounds it.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
         )
         timer.run(warm_up.prompts)
         runs = _repeat_runs(cfg, timer, hf, arch.vocab_size)
-        weight_bytes = weight_bytes_per_decode_step(llm.engine.runner.model)
+        weight_bytes = weight_bytes_per_decode_step(llm.engine.runner.model, cfg.batch_size)
     report = _summary(cfg, runs, weight_bytes, copy_gbps)
     report["device"] = str(llm.engine.runner.device)
     report["cuda_graphs"] = llm.engine.runner.use_cuda_graphs
