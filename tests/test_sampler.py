@@ -402,3 +402,27 @@ def test_top_k_cutoff_kernel_equals_torch_topk() -> None:
     expected = logits.topk(2999, dim=-1).values.gather(1, top_k.clamp(max=2999)[:, None] - 1)
     expected[top_k >= 3000] = -math.inf
     assert torch.equal(ops.top_k_cutoff_rows(logits, top_k).unsqueeze(1), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprob_kernel_equals_log_softmax_topk_and_ranks(dtype, k) -> None:
+    from qiao.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or not ops.sample_rows_available():
+        pytest.skip("the C++ sampling kernel is not built here")
+    logits = random_logits(8, 5000, seed=k).to(dtype)
+    logits[3, 100:140] = logits[3].max() + 1  # 40 tied leaders: any 20 of them are the top 20
+    sampled = torch.tensor([0, 17, 4999, 120, 2500, 3, 4000, 42])
+    ids, logprobs, ranks = ops.logprob_rows(logits, sampled, k)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.equal(ids[:, 0], sampled)
+    torch.testing.assert_close(logprobs[:, 0], reference.gather(1, sampled[:, None])[:, 0])
+    assert torch.equal(ranks, (reference > reference.gather(1, sampled[:, None])).sum(-1) + 1)
+    if k:
+        top = reference.topk(k, dim=-1).values
+        torch.testing.assert_close(logprobs[:, 1:], top)  # the k largest, largest first
+        torch.testing.assert_close(reference.gather(1, ids[:, 1:]), top)  # ids that hold them
+        assert all(len(set(row.tolist())) == k for row in ids[:, 1:])
+        assert ids[3, 1:].min() >= 100 and ids[3, 1:].max() < 140

@@ -79,15 +79,19 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # K = max over rows of params.logprobs; None when none asks
 
     @property
-    def transforms_logits(self) -> bool:
-        """Whether a row needs more than the raw logits' argmax or sample: logprobs, a
-        penalty or a ban."""
+    def modifies_logits(self) -> bool:
+        """Whether a penalty or a ban changes some row's logits before sampling."""
         return (
-            self.max_num_logprobs is not None
-            or self.repetition_penalty is not None
+            self.repetition_penalty is not None
             or self.output_token_counts is not None
             or self.banned_rows is not None
         )
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether a row needs more than the raw logits' argmax or sample: logprobs, a
+        penalty or a ban."""
+        return self.max_num_logprobs is not None or self.modifies_logits
 
     @classmethod
     def from_rows(
@@ -191,25 +195,34 @@ class Sampler(torch.nn.Module):
         """Sample one token per row of `logits` [B, V] (float32 or the model's dtype); the input
         tensor is never modified.
 
-        A batch with no logprobs, penalties or bans samples from the logits as they are: a
-        bfloat16 value converts to float32 exactly, so the argmax and the draw are the same,
-        and no float32 copy of the whole [B, V] matrix is made (on the Qwen2.5-0.5B vocabulary
-        39 MB for 64 rows, page-faulted in afresh each step). Penalties and bans run in
+        A batch with no penalties or bans samples from the logits as they are: a bfloat16 value
+        converts to float32 exactly, so the argmax and the draw are the same, and no float32
+        copy of the whole [B, V] matrix is made (on the Qwen2.5-0.5B vocabulary 39 MB for 64
+        rows, page-faulted in afresh each step). Logprobs, of the raw logits, come from one C++
+        pass per row on the CPU (`logprob_rows`: the log-sum-exp, the sampled token's value
+        and rank, the top k) instead of a [B, V] log_softmax. Penalties and bans run in
         float32."""
         if not metadata.transforms_logits:
             return SamplerOutput(self._sample(logits, metadata), None, None, None)
-        logits = logits.to(torch.float32)
+        raw = logits
         raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits, metadata)
-        if metadata.banned_rows is not None:
-            banned = (metadata.banned_rows, metadata.banned_token_ids)
-            logits = logits.index_put(banned, torch.tensor(-math.inf, device=logits.device))
+        k = metadata.max_num_logprobs
+        kernels = None if k is None else _row_kernels(raw, (torch.float32, torch.bfloat16))
+        if k is not None and kernels is None:
+            raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)
+        if metadata.modifies_logits:
+            logits = apply_penalties(logits.to(torch.float32), metadata)
+            if metadata.banned_rows is not None:
+                banned = (metadata.banned_rows, metadata.banned_token_ids)
+                logits = logits.index_put(banned, torch.tensor(-math.inf, device=logits.device))
         sampled = self._sample(logits, metadata)
-        if raw_logprobs is None:
+        if k is None:
             return SamplerOutput(sampled, None, None, None)
-        return _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if kernels is not None:
+            ids, logprobs, ranks = kernels.logprob_rows(raw, sampled.contiguous(), k)
+            return SamplerOutput(sampled, ids, logprobs, ranks)
+        assert raw_logprobs is not None
+        return _gather_logprobs(raw_logprobs, sampled, k)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:

@@ -851,6 +851,55 @@ inline float kth_largest_row_avx512(const float* s, int64_t n, int64_t k) {
   return from_order_key(lo);
 }
 
+// A row's logprobs without the [V] log_softmax: lse = max + log(sum exp(x - max)), the sampled
+// token's x - lse and rank (1 + how many tokens have a larger logit), and the k largest logits
+// (ids ascending among equal values) as x - lse, largest first. The k best are kept sorted in
+// `best` / `best_ids` (k + 1 slots); a block of 16 is looked at token by token only when one
+// of its logits beats the current k-th.
+template <typename T>
+void logprob_row_avx512(const T* x, int64_t n, int64_t sampled, int64_t k, int64_t* ids, float* lps,
+                        int64_t* rank, float* best, int64_t* best_ids) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, load16(x + i, lanes(n - i)));
+  const float top = _mm512_reduce_max_ps(mx);
+  const __m512 topv = _mm512_set1_ps(top);
+  const float xs = to_f(x[sampled]);
+  const __m512 xsv = _mm512_set1_ps(xs);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t above = 0, held = 0;
+  float kth = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = load16(x + i, m);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive_ps(_mm512_sub_ps(v, topv))));
+    above += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, v, xsv, _CMP_GT_OQ));
+    __mmask16 beats = k == 0 ? 0 : held < k ? m : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kth), _CMP_GT_OQ);
+    while (beats) {
+      const int j = __builtin_ctz(beats);
+      beats &= beats - 1;
+      const float value = to_f(x[i + j]);
+      if (held == k && !(value > kth)) continue;
+      int64_t pos = held < k ? held++ : k - 1;  // insert below the equal or larger ones
+      while (pos > 0 && best[pos - 1] < value) {
+        best[pos] = best[pos - 1];
+        best_ids[pos] = best_ids[pos - 1];
+        --pos;
+      }
+      best[pos] = value;
+      best_ids[pos] = i + j;
+      if (held == k) kth = best[k - 1];
+    }
+  }
+  const float lse = top + std::log(_mm512_reduce_add_ps(sum));
+  ids[0] = sampled;
+  lps[0] = xs - lse;
+  for (int64_t j = 0; j < k; ++j) {
+    ids[1 + j] = best_ids[j];
+    lps[1 + j] = best[j] - lse;
+  }
+  *rank = above + 1;
+}
+
 // Whether a row kernel has its AVX-512 form for storage dtype T.
 template <typename T>
 constexpr bool kVectorRows =
@@ -1319,7 +1368,47 @@ torch::Tensor top_k_cutoff_rows(torch::Tensor logits, torch::Tensor top_k) {
   return out;
 }
 
+// Logprobs of logits [rows, V] (float32 or bfloat16, finite): (ids [rows, 1 + k] int64: the sampled
+// token then the k most likely; their logprobs [rows, 1 + k] float32; the sampled tokens' ranks
+// [rows] int64), as log_softmax, topk and a count would give them, with no [rows, V] tensor.
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor sampled, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logprob_rows: logits must be [rows, V > 0] with contiguous rows");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16,
+              "logprob_rows: float32 or bfloat16 logits, got ", logits.scalar_type());
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(k >= 0 && k <= n, "logprob_rows: k must be in [0, V], got ", k);
+  TORCH_CHECK(sampled.numel() == rows && sampled.is_contiguous() && sampled.scalar_type() == torch::kInt64,
+              "logprob_rows: sampled must be [rows] int64");
+  auto ids = torch::empty({rows, 1 + k}, logits.options().dtype(torch::kInt64));
+  auto lps = torch::empty({rows, 1 + k}, logits.options().dtype(torch::kFloat32));
+  auto ranks = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+#ifdef QIAO_AVX512
+  const int64_t* sp = sampled.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  int64_t* rp = ranks.data_ptr<int64_t>();
+  auto run = [&](auto* xp) {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> best(k + 1);
+      std::vector<int64_t> best_ids(k + 1);
+      for (int64_t r = b; r < e; ++r) {
+        TORCH_CHECK(sp[r] >= 0 && sp[r] < n, "logprob_rows: sampled id ", sp[r], " outside [0, ", n, ")");
+        logprob_row_avx512(xp + r * ld, n, sp[r], k, ip + r * (1 + k), lp + r * (1 + k), rp + r,
+                           best.data(), best_ids.data());
+      }
+    });
+  };
+  if (logits.scalar_type() == torch::kFloat32) run(logits.data_ptr<float>());
+  else run(logits.data_ptr<c10::BFloat16>());
+#else
+  TORCH_CHECK(false, "logprob_rows: this build has no AVX-512 (check sample_rows_available())");
+#endif
+  return {ids, lps, ranks};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("logprob_rows", &logprob_rows, "sampled and top-k logprobs and the sampled rank per row, no [rows, V] tensor");
   m.def("top_k_cutoff_rows", &top_k_cutoff_rows, "each row's k-th largest logit (-inf: top-k off)");
   m.def("top_p_cutoff_rows", &top_p_cutoff_rows, "each row's top-p cutoff logit (over tokens >= floor)");
   m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(logits / t) over kept tokens");
