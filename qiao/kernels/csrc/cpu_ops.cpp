@@ -768,13 +768,9 @@ inline float from_order_key(uint32_t k) {
   return v;
 }
 
-// The top-p cutoff of one row of scaled logits s over the tokens s >= floor: the largest value
-// c of the row such that the tokens s >= c hold at least p of the kept mass, i.e. the logit of
-// the last token of the smallest prefix, most likely first, reaching p (ties kept together),
-// as a sort would find it. The weights exp(s - max) are written once into `w`; the cutoff is
-// then found by bisection over the float order (32 halvings, each one pass summing w where
-// s >= the midpoint), which is exact: the mass only changes at the row's own values.
-inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, float p, float* w) {
+// The smallest and largest of a row's values at or above floor (NaN never counts); an empty
+// set gives (inf, -inf).
+inline std::pair<float, float> kept_range_avx512(const float* s, int64_t n, float floor) {
   const __m512 fv = _mm512_set1_ps(floor);
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 mn = _mm512_set1_ps(std::numeric_limits<float>::infinity());
@@ -785,9 +781,32 @@ inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, flo
     mx = _mm512_mask_max_ps(mx, kept, mx, v);
     mn = _mm512_mask_min_ps(mn, kept, mn, v);
   }
-  const float top = _mm512_reduce_max_ps(mx), bottom = _mm512_reduce_min_ps(mn);
+  return {_mm512_reduce_min_ps(mn), _mm512_reduce_max_ps(mx)};
+}
+
+// The largest float c in [bottom, top] with holds(c), for a `holds` that is true at bottom and,
+// once false, stays false above: bisection over the float order (at most 32 halvings). Exact
+// when `holds` only changes at a row's own values, as "the tokens >= c hold enough" does.
+template <typename Holds>
+inline float largest_holding(float bottom, float top, Holds holds) {
+  if (holds(top)) return top;
+  uint32_t lo = order_key(bottom), hi = order_key(top);  // holds(lo); not holds(hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (holds(from_order_key(mid))) lo = mid; else hi = mid;
+  }
+  return from_order_key(lo);
+}
+
+// The top-p cutoff of one row of scaled logits s over the tokens s >= floor: the largest value
+// c of the row such that the tokens s >= c hold at least p of the kept mass, i.e. the logit of
+// the last token of the smallest prefix, most likely first, reaching p (ties kept together),
+// as a sort would find it. The weights exp(s - max) are written once into `w`, then each
+// bisection step is one pass summing w where s >= the midpoint.
+inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, float p, float* w) {
+  const auto [bottom, top] = kept_range_avx512(s, n, floor);
   if (!std::isfinite(top) || !(bottom <= top)) return floor;  // nothing finite kept: no cut
-  const __m512 topv = _mm512_set1_ps(top);
+  const __m512 fv = _mm512_set1_ps(floor), topv = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lanes(n - i);
@@ -798,7 +817,7 @@ inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, flo
     sum = _mm512_add_ps(sum, e);
   }
   const float target = p * _mm512_reduce_add_ps(sum);
-  auto mass_from = [&](float c) {  // kept mass of the tokens s >= c
+  return largest_holding(bottom, top, [&](float c) {  // the kept mass of the tokens s >= c
     const __m512 cv = _mm512_set1_ps(c);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
@@ -806,49 +825,27 @@ inline float top_p_cutoff_row_avx512(const float* s, int64_t n, float floor, flo
       acc = _mm512_mask_add_ps(acc, _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s + i), cv, _CMP_GE_OQ),
                                acc, _mm512_loadu_ps(w + i));
     }
-    return _mm512_reduce_add_ps(acc);
-  };
-  // Invariant: mass_from(lo) >= target (true at the smallest kept value); hi is past the answer.
-  uint32_t lo = order_key(bottom), hi = order_key(top) + 1;
-  if (mass_from(top) >= target) return top;
-  while (hi - lo > 1) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (mass_from(from_order_key(mid)) >= target) lo = mid; else hi = mid;
-  }
-  return from_order_key(lo);
+    return _mm512_reduce_add_ps(acc) >= target;
+  });
 }
 
 // The k-th largest value of a row, counting repeats (torch.topk(k).values[k - 1]), 1 <= k <= n:
-// the largest c with at least k values >= c, by bisection over the float order (32 counting
-// passes), exact as above. NaN never counts.
+// the largest c with at least k values >= c, by the same bisection (counting passes). NaN never
+// counts; fewer than k non-NaN values give -inf.
 inline float kth_largest_row_avx512(const float* s, int64_t n, int64_t k) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mn = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, s + i);
-    const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_ORD_Q);
-    mx = _mm512_mask_max_ps(mx, ok, mx, v);
-    mn = _mm512_mask_min_ps(mn, ok, mn, v);
-  }
-  const float top = _mm512_reduce_max_ps(mx), bottom = _mm512_reduce_min_ps(mn);
-  auto count_from = [&](float c) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const auto [bottom, top] = kept_range_avx512(s, n, neg_inf);
+  auto at_least_k_from = [&](float c) {
     const __m512 cv = _mm512_set1_ps(c);
     int64_t count = 0;
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = lanes(n - i);
       count += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s + i), cv, _CMP_GE_OQ));
     }
-    return count;
+    return count >= k;
   };
-  if (!(bottom <= top) || count_from(bottom) < k) return -std::numeric_limits<float>::infinity();
-  uint32_t lo = order_key(bottom), hi = order_key(top) + 1;
-  if (count_from(top) >= k) return top;
-  while (hi - lo > 1) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (count_from(from_order_key(mid)) >= k) lo = mid; else hi = mid;
-  }
-  return from_order_key(lo);
+  if (!(bottom <= top) || !at_least_k_from(bottom)) return neg_inf;
+  return largest_holding(bottom, top, at_least_k_from);
 }
 
 // A row's logprobs without the [V] log_softmax: lse = max + log(sum exp(x - max)), the sampled
