@@ -239,6 +239,32 @@ def build_tiny_checkpoint(arch_name: str, path: Path, tokenizer) -> Path:
     return path
 
 
+def build_llama256_checkpoint(path: Path, num_layers: int, seed: int) -> Path:
+    """Save a small random Llama whose input features are multiples of 256 (the block of
+    GGUF's K-quants) into `path`, with a 320-token tokenizer."""
+    import transformers
+
+    tokenizer = _train_tokenizer(320)
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    _randomize(model, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_checkpoint(arch_name) -> directory of a tiny random checkpoint, built once."""

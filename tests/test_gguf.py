@@ -17,7 +17,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import STORIES_DIR, _randomize, _train_tokenizer, build_attn_metadata
+from conftest import (
+    STORIES_DIR,
+    build_attn_metadata,
+    build_llama256_checkpoint,
+)
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from qiao.bench.gguf import quantize_q4_k, write_gguf
@@ -53,26 +57,7 @@ def gguf_of(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def q4k_checkpoint(tmp_path_factory) -> Path:
     """A one-layer Llama whose input features are multiples of 256 (Q4_K's super-block)."""
-    path = tmp_path_factory.mktemp("q4k") / "llama256"
-    tokenizer = _train_tokenizer(320)
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    _randomize(model, seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_llama256_checkpoint(tmp_path_factory.mktemp("q4k") / "llama256", 1, seed=0)
 
 
 def qiao_logits(path: Path, tokens: list[int], **kwargs) -> torch.Tensor:

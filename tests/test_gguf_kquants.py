@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import _randomize, _train_tokenizer, build_attn_metadata
+from conftest import _randomize, _train_tokenizer, build_attn_metadata, build_llama256_checkpoint
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 from safetensors.torch import load_file
 
@@ -184,26 +184,7 @@ def rewrite_gguf(
 @pytest.fixture(scope="module")
 def llama256(tmp_path_factory) -> Path:
     """A two-layer Llama whose input features are multiples of 256 (the K-quants' block)."""
-    path = tmp_path_factory.mktemp("kquants") / "llama256"
-    tokenizer = _train_tokenizer(320)
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    _randomize(model, seed=3)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_llama256_checkpoint(tmp_path_factory.mktemp("kquants") / "llama256", 2, seed=3)
 
 
 # The matrices a "Q4_K_M" file gives more bits (llama.cpp: the head, and attn_v / ffn_down in
