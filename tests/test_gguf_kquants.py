@@ -356,19 +356,24 @@ def converter_rope_factors(config: dict) -> list[float]:
     return factors
 
 
+# Llama 3.1's rope_scaling, its original length short enough (64) for a tiny model's
+# frequencies to fall in all three bands.
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 @pytest.fixture(scope="module")
 def llama31(tmp_path_factory) -> Path:
     """A tiny Llama with Llama 3.1's rope_scaling, its original length short enough (64) that
     the three bands (kept, interpolated, slowed by `factor`) all hold frequencies."""
     path = tmp_path_factory.mktemp("llama31") / "llama31"
     tokenizer = _train_tokenizer(320)
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+    scaling = dict(LLAMA3_SCALING)
     config = transformers.LlamaConfig(
         vocab_size=320,
         hidden_size=64,
@@ -443,13 +448,7 @@ def test_freq_factors_divide_the_inverse_frequencies():
     from qiao.errors import ConfigError
     from qiao.layers.rotary import compute_inv_freq
 
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+    scaling = dict(LLAMA3_SCALING)
     config = transformers.LlamaConfig(
         hidden_size=64, num_attention_heads=4, rope_theta=10000.0, rope_scaling=scaling
     )
